@@ -1,0 +1,358 @@
+//! One arena region and its allocator.
+//!
+//! Every block carries a 64-byte [`BlockHeader`] in front of its data, and the headers of a region
+//! tile it from offset 0 up to its *chain end*. Allocation bumps a cursor through the current
+//! *hole*, a run of memory known to be free; when the hole is exhausted the allocator walks the
+//! header chain for the next run of freed blocks, skipping blocks that are still live (pinned), and
+//! merges runs as it goes. A free only marks its header (or, when the block is the last one carved,
+//! rewinds the cursor), so both operations are O(1); the walk costs O(1) amortised per block.
+//! When nothing is live at a cycle end the region rewinds in O(1): this is the common case and it
+//! costs nothing. When blocks escape, later cycles allocate around them: memory is never handed out
+//! twice while a block lives, and memory freed inside a long cycle is found again by the walk.
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::backend::{Backend, BLOCK_ALIGN};
+
+/// Bytes of the header in front of every block; also the alignment of every block's data.
+pub const HEADER: usize = 64;
+
+const MAGIC_LIVE: u32 = 0x5257_534C; // "RWSL"
+const MAGIC_FREE: u32 = 0x5257_5346; // "RWSF"
+
+/// Where a block's memory came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum BlockKind {
+    /// Inside an arena region.
+    Arena = 1,
+    /// Outside the arena, counted as external memory (spills, learning cycles, ALWAYS).
+    External = 2,
+    /// Outside the arena and outside the workspace's accounts (`helper_min_size`, bypass mode).
+    Bypass = 3,
+}
+
+/// The header in front of every block. Exactly one cache line, so data stays 64-byte aligned.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct BlockHeader {
+    pub magic: u32,
+    pub kind: BlockKind,
+    /// Id of the region holding an arena block.
+    pub region: u32,
+    /// Bytes from this header to the next one (arena) or of the whole allocation (external).
+    pub slot: usize,
+    /// Bytes the caller asked for.
+    pub requested: usize,
+    /// The workspace generation (completed cycles) when the block was handed out.
+    pub generation: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<BlockHeader>() == HEADER);
+
+impl BlockHeader {
+    pub fn is_live(&self) -> bool {
+        self.magic == MAGIC_LIVE
+    }
+}
+
+/// Bytes a request of `size` occupies in a region: its data rounded up to 64 bytes, plus a header.
+pub fn slot_for(size: usize) -> Option<usize> {
+    size.max(1).checked_next_multiple_of(BLOCK_ALIGN)?.checked_add(HEADER)
+}
+
+/// Writes a live header at `at` and returns the data pointer behind it.
+///
+/// # Safety
+/// `at` is 64-byte aligned and valid for writes of `HEADER` bytes, and the caller owns
+/// `[at, at + slot)` exclusively.
+pub unsafe fn write_live_header(at: NonNull<u8>, kind: BlockKind, region: u32, slot: usize, requested: usize, generation: u64) -> NonNull<u8> {
+    debug_assert_eq!(at.as_ptr() as usize % BLOCK_ALIGN, 0);
+    // SAFETY: the caller guarantees `at` is aligned and writable for a header.
+    unsafe {
+        at.cast::<BlockHeader>().as_ptr().write(BlockHeader { magic: MAGIC_LIVE, kind, region, slot, requested, generation });
+        at.add(HEADER)
+    }
+}
+
+/// The header in front of a data pointer.
+///
+/// # Safety
+/// `data` was returned by [`write_live_header`] and its block has not been released to its backend.
+pub unsafe fn header_of<'a>(data: NonNull<u8>) -> &'a mut BlockHeader {
+    // SAFETY: the caller guarantees a header precedes `data` and is still mapped.
+    unsafe { &mut *data.as_ptr().sub(HEADER).cast::<BlockHeader>() }
+}
+
+/// One mapped region and its allocation state.
+#[derive(Debug)]
+pub struct ArenaRegion {
+    id: u32,
+    base: NonNull<u8>,
+    capacity: usize,
+    backend: Arc<dyn Backend>,
+    /// The current hole is `[cursor, limit)`.
+    cursor: usize,
+    limit: usize,
+    /// Headers tile `[0, top)`, except the current hole when it is not the tail.
+    top: usize,
+    /// Whether the current hole is the never-carved tail `[top.., capacity)`; then the chain end
+    /// is `cursor` and `top` is only a lower bound.
+    tail: bool,
+    live_blocks: usize,
+    live_slot_bytes: usize,
+    /// Bytes marked free since the last walk that found nothing: gates wrap-around walks.
+    freed_since_scan: usize,
+}
+
+// SAFETY: the region exclusively owns its mapping; the raw base pointer is only dereferenced
+// through `&mut self` (or by the owner of a live block it handed out), so moving the region to
+// another thread moves that ownership with it.
+unsafe impl Send for ArenaRegion {}
+
+impl ArenaRegion {
+    /// Maps a region of `capacity` bytes (a multiple of 64) from `backend`.
+    pub fn new(id: u32, capacity: usize, backend: Arc<dyn Backend>, prefault: bool) -> Result<Self, String> {
+        debug_assert_eq!(capacity % BLOCK_ALIGN, 0);
+        let base = backend.map(capacity, prefault)?;
+        Ok(ArenaRegion {
+            id,
+            base,
+            capacity,
+            backend,
+            cursor: 0,
+            limit: capacity,
+            top: 0,
+            tail: true,
+            live_blocks: 0,
+            live_slot_bytes: 0,
+            freed_since_scan: 0,
+        })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn live_blocks(&self) -> usize {
+        self.live_blocks
+    }
+
+    pub fn live_slot_bytes(&self) -> usize {
+        self.live_slot_bytes
+    }
+
+    /// Whether `p` points into this region.
+    pub fn contains(&self, p: *const u8) -> bool {
+        let b = self.base.as_ptr() as usize;
+        (b..b + self.capacity).contains(&(p as usize))
+    }
+
+    /// The region's base address.
+    pub fn base(&self) -> NonNull<u8> {
+        self.base
+    }
+
+    fn header_at(&self, off: usize) -> &BlockHeader {
+        debug_assert!(off + HEADER <= self.capacity && off % BLOCK_ALIGN == 0);
+        // SAFETY: `off` is below the chain end, where headers tile the region, so a header
+        // written by this region lies there; the mapping is alive while `self` is.
+        unsafe { &*self.base.as_ptr().add(off).cast::<BlockHeader>() }
+    }
+
+    fn write_free_header(&mut self, off: usize, slot: usize) {
+        debug_assert!(slot >= HEADER && off + slot <= self.capacity);
+        // SAFETY: `[off, off+slot)` is free memory inside the region (a closed hole or a merged
+        // run of freed blocks); nothing else refers to it.
+        unsafe {
+            self.base.as_ptr().add(off).cast::<BlockHeader>().write(BlockHeader {
+                magic: MAGIC_FREE,
+                kind: BlockKind::Arena,
+                region: self.id,
+                slot,
+                requested: 0,
+                generation: 0,
+            })
+        };
+    }
+
+    /// Carves `slot` bytes (header included) and returns the offset of the header.
+    #[inline]
+    pub fn carve(&mut self, slot: usize) -> Option<usize> {
+        debug_assert!(slot % BLOCK_ALIGN == 0 && slot >= HEADER);
+        if self.limit - self.cursor >= slot {
+            let off = self.cursor;
+            self.cursor = off + slot;
+            return Some(off);
+        }
+        self.carve_slow(slot)
+    }
+
+    #[cold]
+    fn carve_slow(&mut self, slot: usize) -> Option<usize> {
+        if !self.find_hole(slot) {
+            return None;
+        }
+        let off = self.cursor;
+        self.cursor = off + slot;
+        Some(off)
+    }
+
+    /// Hands a carved slot out: writes its live header and counts it.
+    ///
+    /// # Safety
+    /// `off` was just returned by [`ArenaRegion::carve`] for this same `slot`.
+    #[inline]
+    pub unsafe fn hand_out(&mut self, off: usize, slot: usize, requested: usize, generation: u64) -> NonNull<u8> {
+        self.live_blocks += 1;
+        self.live_slot_bytes += slot;
+        // SAFETY: `[off, off+slot)` was carved from a hole for the caller and is inside the
+        // mapping; offsets are multiples of 64 from a 64-aligned base.
+        unsafe { write_live_header(self.base.add(off), BlockKind::Arena, self.id, slot, requested, generation) }
+    }
+
+    /// Ends the current hole: the rest of it becomes a free block in the chain.
+    /// Afterwards the hole is empty: `cursor == limit`.
+    fn close_hole(&mut self) {
+        if self.tail {
+            self.top = self.cursor;
+            self.tail = false;
+            self.limit = self.cursor;
+        } else {
+            debug_assert!(self.limit <= self.top);
+            if self.cursor < self.limit {
+                self.write_free_header(self.cursor, self.limit - self.cursor);
+            }
+            self.cursor = self.limit;
+        }
+    }
+
+    /// A header whose slot would not advance the walk, or would leave the region, means the
+    /// memory in front of a block was overwritten: stop walking rather than loop or stray.
+    fn plausible(&self, pos: usize, h: &BlockHeader) -> bool {
+        let ok = h.slot >= HEADER && h.slot % BLOCK_ALIGN == 0 && pos + h.slot <= self.capacity;
+        debug_assert!(ok, "corrupt block header at offset {pos} of region {}", self.id);
+        ok
+    }
+
+    /// Walks the chain from the end of the last hole for a run of at least `need` free bytes,
+    /// wrapping to the start once when enough has been freed since the last fruitless walk.
+    fn find_hole(&mut self, need: usize) -> bool {
+        let was_tail = self.tail;
+        let resume = if was_tail { self.cursor } else { self.limit };
+        self.close_hole();
+        let start = resume.min(self.top);
+        let mut pos = start;
+        let mut wrapped = false;
+        loop {
+            if wrapped && pos >= start {
+                break;
+            }
+            if pos >= self.top {
+                if self.capacity - self.top >= need {
+                    self.cursor = self.top;
+                    self.limit = self.capacity;
+                    self.tail = true;
+                    return true;
+                }
+                if wrapped || start == 0 || self.freed_since_scan < need {
+                    break;
+                }
+                wrapped = true;
+                pos = 0;
+                continue;
+            }
+            let h = self.header_at(pos);
+            if !self.plausible(pos, h) {
+                break;
+            }
+            if h.is_live() {
+                pos += h.slot;
+                continue;
+            }
+            let run_start = pos;
+            while pos < self.top && !self.header_at(pos).is_live() {
+                let h = self.header_at(pos);
+                if !self.plausible(pos, h) {
+                    break;
+                }
+                pos += h.slot;
+            }
+            if pos >= self.top {
+                // The run reaches the chain end: it joins the never-carved tail.
+                self.top = run_start;
+                pos = run_start;
+                continue;
+            }
+            if pos - run_start >= need {
+                self.cursor = run_start;
+                self.limit = pos;
+                self.tail = false;
+                return true;
+            }
+            // Too small for this request: merge the run so later walks step over it at once.
+            self.write_free_header(run_start, pos - run_start);
+        }
+        self.freed_since_scan = 0;
+        self.cursor = self.top;
+        self.limit = self.top;
+        self.tail = false;
+        false
+    }
+
+    /// Takes a block back.
+    ///
+    /// # Safety
+    /// `header` is the live header of a block this region handed out.
+    pub unsafe fn release(&mut self, header: &mut BlockHeader) {
+        debug_assert!(header.is_live() && header.region == self.id);
+        let off = (header as *mut BlockHeader as usize) - self.base.as_ptr() as usize;
+        let slot = header.slot;
+        self.live_blocks -= 1;
+        self.live_slot_bytes -= slot;
+        header.magic = MAGIC_FREE;
+        if off + slot == self.cursor {
+            // The block ends where the hole begins (typically the last one carved): the hole
+            // grows back over it, which needs no header inside the hole.
+            self.cursor = off;
+        } else {
+            self.freed_since_scan += slot;
+        }
+    }
+
+    /// Rewinds at a cycle end. With nothing live this is O(1); otherwise the next allocation
+    /// walks from the start around the pinned blocks.
+    pub fn rewind(&mut self) {
+        if self.live_blocks == 0 {
+            self.cursor = 0;
+            self.limit = self.capacity;
+            self.top = 0;
+            self.tail = true;
+            self.freed_since_scan = 0;
+        } else {
+            self.close_hole();
+            self.cursor = 0;
+            self.limit = 0;
+            self.tail = false;
+        }
+    }
+
+    /// Bytes the region could still hand out without walking: for tests and statistics.
+    pub fn hole_bytes(&self) -> usize {
+        self.limit - self.cursor
+    }
+}
+
+impl Drop for ArenaRegion {
+    fn drop(&mut self) {
+        // SAFETY: the region was mapped by `backend` with this capacity and is released once,
+        // here; the owning workspace drops a region only when no block in it is live, or when
+        // the workspace itself is dropped (its contract: all blocks released first).
+        unsafe { self.backend.unmap(self.base, self.capacity) };
+    }
+}

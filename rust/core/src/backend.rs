@@ -1,0 +1,339 @@
+//! Memory sources under the one arena logic. A [`Backend`] hands out large regions (the arena) and
+//! individual blocks (spills and external allocations); adaptors such as [`LimitAdaptor`] wrap an
+//! explicit upstream backend, in the manner of RMM's `*_resource_adaptor`.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Alignment of every region and block any backend hands out.
+pub const BLOCK_ALIGN: usize = 64;
+
+/// Regions at least this large get transparent-huge-page advice.
+pub const HUGE_PAGE_THRESHOLD: usize = 4 << 20;
+
+/// A source of memory. Implementations must be usable from any thread.
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// A short name for statistics and messages.
+    fn name(&self) -> &'static str;
+
+    /// Maps a zero-filled region of `len` bytes aligned to at least [`BLOCK_ALIGN`]. When
+    /// `prefault` is set, every page is resident on return, so that first writes take no fault.
+    fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, String>;
+
+    /// Releases a region.
+    ///
+    /// # Safety
+    /// `ptr` and `len` come from one earlier call of `map` on this backend, the region was not
+    /// released before, and nothing reads or writes it any more.
+    unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize);
+
+    /// Allocates one block of `len` bytes aligned to [`BLOCK_ALIGN`] (contents unspecified).
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+        let layout = Layout::from_size_align(len.max(1), BLOCK_ALIGN).map_err(|e| e.to_string())?;
+        // SAFETY: the layout has a non-zero size.
+        NonNull::new(unsafe { alloc::alloc(layout) }).ok_or_else(|| format!("the system allocator refused {len} bytes"))
+    }
+
+    /// Releases one block.
+    ///
+    /// # Safety
+    /// `ptr` and `len` come from one earlier call of `alloc_block` on this backend, and the block
+    /// was not released before.
+    unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
+        let layout = Layout::from_size_align(len.max(1), BLOCK_ALIGN).expect("layout was valid at allocation");
+        // SAFETY: the caller guarantees `ptr` came from `alloc_block` with this same layout.
+        unsafe { alloc::dealloc(ptr.as_ptr(), layout) }
+    }
+
+    /// Whether the CPU can read and write this backend's memory.
+    fn host_accessible(&self) -> bool {
+        true
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+/// Makes every page of a fresh mapping resident and writable.
+fn prefault(ptr: NonNull<u8>, len: usize) {
+    const MADV_POPULATE_WRITE: libc::c_int = 23;
+    // SAFETY: [ptr, ptr+len) is one mapping we own; the advice only populates pages.
+    let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_POPULATE_WRITE) };
+    if rc != 0 {
+        // Kernels before 5.14: write one byte per page. The mapping is zero-filled, so writing zero
+        // leaves its contents unchanged.
+        let page = page_size();
+        let mut off = 0;
+        while off < len {
+            // SAFETY: off < len, inside the mapping; volatile so the write is not elided.
+            unsafe { std::ptr::write_volatile(ptr.as_ptr().add(off), 0) };
+            off += page;
+        }
+    }
+}
+
+fn mmap_checked(len: usize, prot: libc::c_int, flags: libc::c_int, fd: libc::c_int) -> Result<NonNull<u8>, String> {
+    if len == 0 {
+        return Err("cannot map 0 bytes".to_string());
+    }
+    // SAFETY: a fresh mapping at an address the kernel chooses; no existing memory is affected.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(format!("mmap of {len} bytes failed: {}", std::io::Error::last_os_error()));
+    }
+    NonNull::new(p.cast()).ok_or_else(|| "mmap returned null".to_string())
+}
+
+/// Anonymous private memory from `mmap`, with huge-page advice for large regions.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct AnonymousMemory;
+
+impl Backend for AnonymousMemory {
+    fn name(&self) -> &'static str {
+        "anonymous"
+    }
+
+    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, String> {
+        let ptr = mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)?;
+        if len >= HUGE_PAGE_THRESHOLD {
+            // SAFETY: advice on our own fresh mapping; failure (no THP support) is harmless.
+            unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+        }
+        if prefault_now {
+            prefault(ptr, len);
+        }
+        Ok(ptr)
+    }
+
+    unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: the caller guarantees this is one whole mapping of ours, no longer used.
+        unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
+    }
+}
+
+/// Memory mapped from a file: a named file when `path` is not a folder (kept afterwards), else a
+/// file created in the folder and unlinked at once (it disappears with the mapping).
+#[derive(Debug)]
+pub struct FileMappedMemory {
+    path: PathBuf,
+    files: std::sync::Mutex<Vec<(usize, File)>>,
+}
+
+static FILE_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl FileMappedMemory {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        FileMappedMemory { path: path.into(), files: std::sync::Mutex::new(Vec::new()) }
+    }
+
+    fn open(&self) -> Result<File, String> {
+        if self.path.is_dir() {
+            let name = format!(
+                "rustws-{}-{}.mmap",
+                std::process::id(),
+                FILE_COUNTER.fetch_add(1, Ordering::Relaxed)
+            );
+            let full = self.path.join(name);
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&full)
+                .map_err(|e| format!("cannot create {}: {e}", full.display()))?;
+            let _ = std::fs::remove_file(&full);
+            Ok(f)
+        } else {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&self.path)
+                .map_err(|e| format!("cannot open {}: {e}", self.path.display()))
+        }
+    }
+}
+
+impl Backend for FileMappedMemory {
+    fn name(&self) -> &'static str {
+        "mmap-file"
+    }
+
+    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, String> {
+        let file = self.open()?;
+        file.set_len(len as u64).map_err(|e| format!("cannot size {} to {len} bytes: {e}", self.path.display()))?;
+        let ptr = mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd())?;
+        if prefault_now {
+            prefault(ptr, len);
+        }
+        self.files.lock().unwrap_or_else(|e| e.into_inner()).push((ptr.as_ptr() as usize, file));
+        Ok(ptr)
+    }
+
+    unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: the caller guarantees this is one whole mapping of ours, no longer used.
+        unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        files.retain(|(p, _)| *p != ptr.as_ptr() as usize);
+    }
+}
+
+/// Regions from the global heap: a host stand-in with the shape of a device backend (no mmap, no
+/// advice), so the arena logic can be proven against a non-mapping source.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HeapMemory;
+
+impl Backend for HeapMemory {
+    fn name(&self) -> &'static str {
+        "heap"
+    }
+
+    fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
+        let layout = Layout::from_size_align(len.max(1), 4096).map_err(|e| e.to_string())?;
+        // SAFETY: non-zero size.
+        NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| format!("the heap refused {len} bytes"))
+    }
+
+    unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+        let layout = Layout::from_size_align(len.max(1), 4096).expect("layout was valid at map");
+        // SAFETY: the caller guarantees `ptr` came from `map` with this length.
+        unsafe { alloc::dealloc(ptr.as_ptr(), layout) }
+    }
+}
+
+/// Refuses once the bytes it holds would exceed `limit`: failure injection for tests, and a hard
+/// cap for users (RMM's `limiting_resource_adaptor`).
+#[derive(Debug)]
+pub struct LimitAdaptor {
+    upstream: Arc<dyn Backend>,
+    limit: usize,
+    held: AtomicUsize,
+}
+
+impl LimitAdaptor {
+    pub fn new(upstream: Arc<dyn Backend>, limit: usize) -> Self {
+        LimitAdaptor { upstream, limit, held: AtomicUsize::new(0) }
+    }
+
+    /// Bytes currently held through this adaptor.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    fn reserve(&self, len: usize) -> Result<(), String> {
+        let mut cur = self.held.load(Ordering::Relaxed);
+        loop {
+            let next = cur.checked_add(len).filter(|n| *n <= self.limit).ok_or_else(|| {
+                format!("limit of {} bytes reached ({} held, {} requested)", self.limit, cur, len)
+            })?;
+            match self.held.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return Ok(()),
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+}
+
+impl Backend for LimitAdaptor {
+    fn name(&self) -> &'static str {
+        "limit"
+    }
+
+    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, String> {
+        self.reserve(len)?;
+        self.upstream.map(len, prefault_now).inspect_err(|_| {
+            self.held.fetch_sub(len, Ordering::Relaxed);
+        })
+    }
+
+    unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.unmap(ptr, len) };
+        self.held.fetch_sub(len, Ordering::Relaxed);
+    }
+
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+        self.reserve(len)?;
+        self.upstream.alloc_block(len).inspect_err(|_| {
+            self.held.fetch_sub(len, Ordering::Relaxed);
+        })
+    }
+
+    unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.free_block(ptr, len) };
+        self.held.fetch_sub(len, Ordering::Relaxed);
+    }
+
+    fn host_accessible(&self) -> bool {
+        self.upstream.host_accessible()
+    }
+}
+
+/// Rounds `n` up to a multiple of the system page size.
+pub fn round_to_page(n: usize) -> usize {
+    let p = page_size();
+    n.div_ceil(p) * p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exercise(b: &dyn Backend) {
+        let len = round_to_page(1 << 20);
+        let p = b.map(len, true).unwrap();
+        assert_eq!(p.as_ptr() as usize % BLOCK_ALIGN, 0);
+        // SAFETY: freshly mapped, len bytes.
+        let s = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), len) };
+        assert!(s.iter().all(|&x| x == 0), "fresh regions are zero-filled");
+        s.fill(7);
+        // SAFETY: mapped above, released once.
+        unsafe { b.unmap(p, len) };
+        let q = b.alloc_block(100).unwrap();
+        assert_eq!(q.as_ptr() as usize % BLOCK_ALIGN, 0);
+        // SAFETY: allocated above with the same length.
+        unsafe { b.free_block(q, 100) };
+    }
+
+    #[test]
+    fn every_host_backend_maps_zeroed_aligned_memory() {
+        exercise(&AnonymousMemory);
+        exercise(&HeapMemory);
+        exercise(&FileMappedMemory::new(std::env::temp_dir()));
+        let named = std::env::temp_dir().join(format!("rustws-test-{}.bin", std::process::id()));
+        exercise(&FileMappedMemory::new(&named));
+        let _ = std::fs::remove_file(named);
+    }
+
+    #[test]
+    fn limit_adaptor_refuses_past_its_limit_and_recovers() {
+        let lim = LimitAdaptor::new(Arc::new(HeapMemory), 8192);
+        let a = lim.map(4096, false).unwrap();
+        let b = lim.map(4096, false).unwrap();
+        assert!(lim.map(4096, false).unwrap_err().contains("limit of 8192"));
+        assert!(lim.alloc_block(1).is_err());
+        // SAFETY: both mapped above.
+        unsafe {
+            lim.unmap(a, 4096);
+            lim.unmap(b, 4096);
+        }
+        assert_eq!(lim.held(), 0);
+        let c = lim.alloc_block(8192).unwrap();
+        // SAFETY: allocated above.
+        unsafe { lim.free_block(c, 8192) };
+    }
+}

@@ -1,0 +1,418 @@
+//! Workspace configuration: every policy of the contract, sizes with units, and the validation
+//! that turns an invalid value or combination into an [`Error::InvalidConfig`] naming the field.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use crate::error::Error;
+
+/// The largest size any field may take: 2^48 bytes (256 TiB) is more than any mapping can hold.
+pub const MAX_SIZE_BYTES: u64 = 1 << 48;
+
+macro_rules! policy_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name { $($(#[$vmeta])* $variant),+ }
+
+        impl $name {
+            /// Every member, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The member's name as the Python enum spells it.
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text),+ }
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s.to_ascii_uppercase().as_str() {
+                    $($text => Ok($name::$variant),)+
+                    _ => Err(format!(
+                        "{:?} is not a {}; expected one of {}",
+                        s,
+                        stringify!($name),
+                        [$($text),+].join(", ")
+                    )),
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result { f.write_str(self.as_str()) }
+        }
+    };
+}
+
+policy_enum!(
+    /// How large the arena is made from the initial or learned size.
+    AllocationPolicy {
+        /// Exactly the initial or learned size.
+        Strict = "STRICT",
+        /// `overallocation_limit` × size on top.
+        Overallocate = "OVERALLOCATE",
+        /// No arena: every allocation is a fresh system allocation (debugging).
+        Always = "ALWAYS",
+    }
+);
+
+policy_enum!(
+    /// How the workspace learns its size.
+    LearningPolicy {
+        /// Never learn; `initial_size` decides.
+        None = "NONE",
+        /// Learn the peak of the first cycle(s), size the arena once.
+        FirstLoop = "FIRST_LOOP",
+        /// Learn over `cycles_before_initialization` cycles and keep adapting when cycles grow.
+        OverTime = "OVER_TIME",
+    }
+);
+
+policy_enum!(
+    /// What happens to a request the arena cannot serve.
+    SpillPolicy {
+        /// Refuse it with [`Error::OutOfMemory`].
+        Fail = "FAIL",
+        /// Serve it outside the arena now, grow the arena at the end of the cycle.
+        Reallocate = "REALLOCATE",
+        /// Serve it outside the arena, never grow.
+        External = "EXTERNAL",
+    }
+);
+
+policy_enum!(
+    /// What happens to the arena at the end of a cycle.
+    ResetPolicy {
+        /// Rewind at every cycle end (blocks still referenced stay pinned).
+        BlockLeft = "BLOCK_LEFT",
+        /// Circular: allocation continues across cycles and wraps at the end.
+        EndOfBufferReached = "ENDOFBUFFER_REACHED",
+    }
+);
+
+policy_enum!(
+    /// Host mirroring of device workspaces.
+    MirroringPolicy {
+        /// A host mirror in pinned memory.
+        Full = "FULL",
+        /// Device memory only.
+        Disabled = "DISABLED",
+        /// Host memory only.
+        HostOnly = "HOST_ONLY",
+    }
+);
+
+policy_enum!(
+    /// Where the arena's memory comes from.
+    LocationPolicy {
+        /// Anonymous memory.
+        Ram = "RAM",
+        /// A memory-mapped file at `temp_file_path`.
+        Mmap = "MMAP",
+    }
+);
+
+policy_enum!(
+    /// Debugging switches.
+    DebugMode {
+        /// Normal operation.
+        Disabled = "DISABLED",
+        /// Every allocation is served outside the arena and counted as a spill.
+        SpillEverything = "SPILL_EVERYTHING",
+        /// Workspaces are off: allocations are plain system allocations.
+        BypassEverything = "BYPASS_EVERYTHING",
+    }
+);
+
+impl DebugMode {
+    /// The override from `RUSTWS_DEBUG_MODE` (`bypass` or `spill`), if set to a known value.
+    pub fn from_env() -> Option<DebugMode> {
+        let v = std::env::var("RUSTWS_DEBUG_MODE").ok()?;
+        match v.trim().to_ascii_lowercase().as_str() {
+            "bypass" | "bypass_everything" => Some(DebugMode::BypassEverything),
+            "spill" | "spill_everything" => Some(DebugMode::SpillEverything),
+            "" | "disabled" | "off" | "none" => Some(DebugMode::Disabled),
+            _ => None,
+        }
+    }
+}
+
+/// Every knob of a workspace. Build one with [`WorkspaceConfiguration::default`] and struct update
+/// syntax, then call [`WorkspaceConfiguration::validate`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkspaceConfiguration {
+    pub initial_size: u64,
+    pub min_size: u64,
+    pub max_size: u64,
+    pub overallocation_limit: f64,
+    pub cycles_before_initialization: u64,
+    pub policy_allocation: AllocationPolicy,
+    pub policy_learning: LearningPolicy,
+    pub policy_spill: SpillPolicy,
+    pub policy_reset: ResetPolicy,
+    pub policy_mirroring: MirroringPolicy,
+    pub policy_location: LocationPolicy,
+    pub temp_file_path: Option<PathBuf>,
+    pub temp_block_size: u64,
+    pub helper_min_size: u64,
+    pub helper_allow_fallback: bool,
+    pub use_cycle_detector: bool,
+    pub debug_mode: DebugMode,
+}
+
+impl Default for WorkspaceConfiguration {
+    fn default() -> Self {
+        WorkspaceConfiguration {
+            initial_size: 0,
+            min_size: 0,
+            max_size: 0,
+            overallocation_limit: 0.3,
+            cycles_before_initialization: 0,
+            policy_allocation: AllocationPolicy::Overallocate,
+            policy_learning: LearningPolicy::FirstLoop,
+            policy_spill: SpillPolicy::External,
+            policy_reset: ResetPolicy::BlockLeft,
+            policy_mirroring: MirroringPolicy::Full,
+            policy_location: LocationPolicy::Ram,
+            temp_file_path: None,
+            temp_block_size: 0,
+            helper_min_size: 0,
+            helper_allow_fallback: true,
+            use_cycle_detector: false,
+            debug_mode: DebugMode::Disabled,
+        }
+    }
+}
+
+fn invalid(field: &'static str, message: String) -> Error {
+    Error::InvalidConfig { field, message }
+}
+
+impl WorkspaceConfiguration {
+    /// Checks every field and every combination; the error names the first offending field.
+    pub fn validate(&self) -> Result<(), Error> {
+        for (field, value) in [
+            ("initial_size", self.initial_size),
+            ("min_size", self.min_size),
+            ("max_size", self.max_size),
+            ("temp_block_size", self.temp_block_size),
+            ("helper_min_size", self.helper_min_size),
+        ] {
+            if value > MAX_SIZE_BYTES {
+                return Err(invalid(
+                    field,
+                    format!("{value} bytes exceeds the largest supported size ({MAX_SIZE_BYTES} bytes)"),
+                ));
+            }
+        }
+        if !self.overallocation_limit.is_finite() || self.overallocation_limit < 0.0 {
+            return Err(invalid(
+                "overallocation_limit",
+                format!("must be a finite number >= 0, got {}", self.overallocation_limit),
+            ));
+        }
+        if self.overallocation_limit > 1000.0 {
+            return Err(invalid(
+                "overallocation_limit",
+                format!("must be at most 1000, got {}", self.overallocation_limit),
+            ));
+        }
+        if self.cycles_before_initialization > 1_000_000 {
+            return Err(invalid(
+                "cycles_before_initialization",
+                format!("must be at most 1000000, got {}", self.cycles_before_initialization),
+            ));
+        }
+        if self.max_size > 0 && self.max_size < self.initial_size {
+            return Err(invalid(
+                "max_size",
+                format!(
+                    "max_size ({}) is smaller than initial_size ({})",
+                    self.max_size, self.initial_size
+                ),
+            ));
+        }
+        if self.max_size > 0 && self.max_size < self.min_size {
+            return Err(invalid(
+                "max_size",
+                format!("max_size ({}) is smaller than min_size ({})", self.max_size, self.min_size),
+            ));
+        }
+        if self.policy_location == LocationPolicy::Mmap {
+            if self.policy_learning != LearningPolicy::None {
+                return Err(invalid(
+                    "policy_learning",
+                    format!(
+                        "a memory-mapped workspace cannot learn its size: policy_learning must be NONE, got {}",
+                        self.policy_learning
+                    ),
+                ));
+            }
+            if self.initial_size == 0 {
+                return Err(invalid(
+                    "initial_size",
+                    "a memory-mapped workspace needs initial_size > 0".to_string(),
+                ));
+            }
+            if self.policy_allocation == AllocationPolicy::Always {
+                return Err(invalid(
+                    "policy_allocation",
+                    "a memory-mapped workspace cannot use policy_allocation ALWAYS".to_string(),
+                ));
+            }
+            match &self.temp_file_path {
+                None => {
+                    return Err(invalid(
+                        "temp_file_path",
+                        "policy_location MMAP needs temp_file_path".to_string(),
+                    ))
+                }
+                Some(p) => check_usable_path(p)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// The debug mode in force: `RUSTWS_DEBUG_MODE` overrides the configured one.
+    pub fn effective_debug_mode(&self) -> DebugMode {
+        DebugMode::from_env().unwrap_or(self.debug_mode)
+    }
+}
+
+fn check_usable_path(p: &std::path::Path) -> Result<(), Error> {
+    if p.as_os_str().is_empty() {
+        return Err(invalid("temp_file_path", "is empty".to_string()));
+    }
+    let dir = if p.is_dir() {
+        p.to_path_buf()
+    } else {
+        match p.parent() {
+            Some(parent) if parent.as_os_str().is_empty() => PathBuf::from("."),
+            Some(parent) => parent.to_path_buf(),
+            None => {
+                return Err(invalid("temp_file_path", format!("{} has no parent folder", p.display())))
+            }
+        }
+    };
+    let meta = std::fs::metadata(&dir).map_err(|e| {
+        invalid("temp_file_path", format!("folder {} is not usable: {e}", dir.display()))
+    })?;
+    if !meta.is_dir() {
+        return Err(invalid("temp_file_path", format!("{} is not a folder", dir.display())));
+    }
+    if meta.permissions().readonly() {
+        return Err(invalid("temp_file_path", format!("folder {} is read-only", dir.display())));
+    }
+    Ok(())
+}
+
+/// Parses a size: a whole number of bytes, or a number with a unit (`"512KiB"`, `"64MiB"`, `"1GB"`,
+/// `"1.5 GiB"`). Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB,
+/// TiB, and the bare K, M, G, T) powers of 1024.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let num = num.replace('_', "");
+    let unit = unit.trim();
+    if num.is_empty() {
+        return Err(format!("{text:?} is not a size: expected a number of bytes, optionally with a unit"));
+    }
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1000,
+        "mb" => 1000_u64.pow(2),
+        "gb" => 1000_u64.pow(3),
+        "tb" => 1000_u64.pow(4),
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        _ => return Err(format!("{text:?} has an unknown unit {unit:?} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")),
+    };
+    let bytes = if num.contains('.') {
+        let v: f64 = num.parse().map_err(|_| format!("{text:?} is not a size"))?;
+        let b = v * mult as f64;
+        if !b.is_finite() || b > MAX_SIZE_BYTES as f64 {
+            return Err(format!("{text:?} exceeds the largest supported size ({MAX_SIZE_BYTES} bytes)"));
+        }
+        b.round() as u64
+    } else {
+        let v: u64 = num.parse().map_err(|_| format!("{text:?} is not a size"))?;
+        v.checked_mul(mult)
+            .filter(|b| *b <= MAX_SIZE_BYTES)
+            .ok_or_else(|| format!("{text:?} exceeds the largest supported size ({MAX_SIZE_BYTES} bytes)"))?
+    };
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("512KiB").unwrap(), 512 * 1024);
+        assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
+        assert_eq!(parse_size("1GB").unwrap(), 1_000_000_000);
+        assert_eq!(parse_size(" 1.5 GiB ").unwrap(), 3 << 29);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("2k").unwrap(), 2048);
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("MiB").is_err());
+        assert!(parse_size("3 parsecs").is_err());
+        assert!(parse_size("1000000TiB").is_err());
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        WorkspaceConfiguration::default().validate().unwrap();
+    }
+
+    fn field_of(c: WorkspaceConfiguration) -> &'static str {
+        match c.validate() {
+            Err(Error::InvalidConfig { field, .. }) => field,
+            other => panic!("expected an invalid configuration, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn invalid_values_name_their_field() {
+        let d = WorkspaceConfiguration::default;
+        assert_eq!(field_of(WorkspaceConfiguration { overallocation_limit: f64::NAN, ..d() }), "overallocation_limit");
+        assert_eq!(field_of(WorkspaceConfiguration { overallocation_limit: -0.5, ..d() }), "overallocation_limit");
+        assert_eq!(field_of(WorkspaceConfiguration { initial_size: 10, max_size: 5, ..d() }), "max_size");
+        assert_eq!(field_of(WorkspaceConfiguration { min_size: 10, max_size: 5, ..d() }), "max_size");
+        assert_eq!(field_of(WorkspaceConfiguration { initial_size: MAX_SIZE_BYTES + 1, ..d() }), "initial_size");
+        let mmap = WorkspaceConfiguration {
+            policy_location: LocationPolicy::Mmap,
+            initial_size: 1 << 20,
+            policy_learning: LearningPolicy::None,
+            ..d()
+        };
+        assert_eq!(field_of(mmap.clone()), "temp_file_path");
+        assert_eq!(
+            field_of(WorkspaceConfiguration { policy_learning: LearningPolicy::FirstLoop, ..mmap.clone() }),
+            "policy_learning"
+        );
+        assert_eq!(
+            field_of(WorkspaceConfiguration { temp_file_path: Some("/nonexistent/dir/x".into()), ..mmap.clone() }),
+            "temp_file_path"
+        );
+        let ok = WorkspaceConfiguration { temp_file_path: Some(std::env::temp_dir()), ..mmap };
+        ok.validate().unwrap();
+    }
+
+    #[test]
+    fn enums_round_trip_through_their_names() {
+        for p in SpillPolicy::ALL {
+            assert_eq!(p.as_str().parse::<SpillPolicy>().unwrap(), *p);
+        }
+        assert!("SIDEWAYS".parse::<ResetPolicy>().is_err());
+    }
+}

@@ -1,0 +1,23 @@
+//! rustws-core: workspaces for loops that allocate the same memory every iteration.
+//!
+//! A [`Workspace`] learns how much memory one cycle of a loop needs, then serves every later cycle
+//! from one pre-faulted [`ArenaRegion`], under the policies of a [`WorkspaceConfiguration`]. Memory
+//! is never handed out again while a block in it is live: blocks that outlive their cycle are
+//! pinned and the allocator works around them. Memory comes from a [`Backend`] (anonymous memory,
+//! a memory-mapped file, the heap, or an adaptor over one of them). This crate knows nothing of
+//! Python; the bindings live in a separate crate.
+
+pub mod arena;
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod workspace;
+
+pub use arena::{ArenaRegion, BlockKind, HEADER};
+pub use backend::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor, BLOCK_ALIGN};
+pub use config::{
+    parse_size, AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
+    WorkspaceConfiguration,
+};
+pub use error::Error;
+pub use workspace::{BlockInfo, CycleReport, Workspace, WorkspaceStats};

@@ -1,0 +1,594 @@
+//! A workspace: one named memory pool with cycles. It owns the current arena region (and regions
+//! retired by growth while blocks in them still live), learns how much one cycle needs, sizes the
+//! arena from that, spills what the arena cannot hold under its spill policy, and keeps the
+//! statistics of the contract exact. All methods take `&mut self`: a binding that frees from
+//! several threads puts the workspace behind one lock.
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::arena::{header_of, slot_for, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
+use crate::backend::{round_to_page, AnonymousMemory, Backend, FileMappedMemory, BLOCK_ALIGN};
+use crate::config::{AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration};
+use crate::error::Error;
+
+/// Arenas at least this large are rounded to whole 2 MiB huge pages.
+const HUGE_ROUND_THRESHOLD: usize = 64 << 20;
+const HUGE_PAGE: usize = 2 << 20;
+
+/// The statistics of the contract, all in bytes or counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkspaceStats {
+    /// Completed cycles.
+    pub cycles: u64,
+    /// Bytes mapped for arenas (the current one and retired ones still holding live blocks).
+    pub capacity_bytes: u64,
+    /// Requested bytes of live blocks inside arenas.
+    pub used_bytes: u64,
+    /// Peak of live requested bytes (arena and external) in the open cycle, or the last one.
+    pub peak_cycle_bytes: u64,
+    /// Arena bytes holding no live block: reusable.
+    pub cached_bytes: u64,
+    /// Requested bytes of live blocks outside the arena.
+    pub external_bytes: u64,
+    /// Requested bytes of live blocks that outlived the cycle that allocated them.
+    pub pinned_bytes: u64,
+    /// Arena bytes of headers and alignment padding of live blocks.
+    pub overhead_bytes: u64,
+    /// Allocations served, all kinds.
+    pub allocation_count: u64,
+    /// Allocations served outside an initialised arena.
+    pub spill_count: u64,
+    /// Requests refused.
+    pub failed_allocations: u64,
+}
+
+/// What one cycle left behind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CycleReport {
+    /// Whether this exit closed the outermost cycle.
+    pub completed: bool,
+    /// Blocks allocated in this cycle that are still live (they are now pinned).
+    pub escaped_blocks: u64,
+    /// Their requested bytes.
+    pub escaped_bytes: u64,
+}
+
+/// Learns the memory one cycle needs: its peak live footprint plus what escapes it (escaped
+/// blocks stay pinned while the next cycle reaches the same peak).
+#[derive(Debug, Default, Clone, Copy)]
+struct CycleLearner {
+    cycles_learned: u64,
+    need: usize,
+}
+
+/// Where a live block lives, for tests and `owner` lookups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockInfo {
+    pub kind: BlockKind,
+    pub requested: usize,
+    pub generation: u64,
+    /// Base address and capacity of the region holding an arena block.
+    pub region: Option<(usize, usize)>,
+}
+
+/// One workspace.
+#[derive(Debug)]
+pub struct Workspace {
+    name: String,
+    config: WorkspaceConfiguration,
+    debug: DebugMode,
+    backend: Arc<dyn Backend>,
+    region: Option<ArenaRegion>,
+    retired: Vec<ArenaRegion>,
+    next_region_id: u32,
+    depth: u32,
+    generation: u64,
+    learner: CycleLearner,
+    initialized: bool,
+    destroyed: bool,
+    grow_at_cycle_end: bool,
+    // Footprint in slot bytes, for learning.
+    live_slot_bytes: usize,
+    cycle_slot_peak: usize,
+    cycle_live_slot_bytes: usize,
+    // Statistics in requested bytes.
+    used_bytes: u64,
+    external_bytes: u64,
+    external_slot_bytes: u64,
+    external_live_blocks: usize,
+    pinned_bytes: u64,
+    arena_overhead_bytes: u64,
+    cycle_peak_bytes: u64,
+    last_cycle_peak_bytes: u64,
+    cycle_escaped: (u64, u64),
+    allocation_count: u64,
+    spill_count: u64,
+    failed_allocations: u64,
+}
+
+// SAFETY: a workspace exclusively owns its regions and the bookkeeping of the blocks it handed
+// out; every access goes through `&mut self`, so it can move between threads.
+unsafe impl Send for Workspace {}
+
+impl Workspace {
+    /// A workspace over the backend its configuration's location policy names.
+    pub fn new(name: impl Into<String>, config: WorkspaceConfiguration) -> Result<Self, Error> {
+        config.validate()?;
+        let backend: Arc<dyn Backend> = match config.policy_location {
+            LocationPolicy::Ram => Arc::new(AnonymousMemory),
+            LocationPolicy::Mmap => {
+                Arc::new(FileMappedMemory::new(config.temp_file_path.clone().expect("validated: MMAP has a path")))
+            }
+        };
+        Self::with_backend(name, config, backend)
+    }
+
+    /// A workspace over an explicit backend (device memory, a limit adaptor, a test stand-in).
+    pub fn with_backend(name: impl Into<String>, config: WorkspaceConfiguration, backend: Arc<dyn Backend>) -> Result<Self, Error> {
+        config.validate()?;
+        let debug = config.effective_debug_mode();
+        let mut ws = Workspace {
+            name: name.into(),
+            initialized: config.policy_learning == LearningPolicy::None,
+            config,
+            debug,
+            backend,
+            region: None,
+            retired: Vec::new(),
+            next_region_id: 1,
+            depth: 0,
+            generation: 0,
+            learner: CycleLearner::default(),
+            destroyed: false,
+            grow_at_cycle_end: false,
+            live_slot_bytes: 0,
+            cycle_slot_peak: 0,
+            cycle_live_slot_bytes: 0,
+            used_bytes: 0,
+            external_bytes: 0,
+            external_slot_bytes: 0,
+            external_live_blocks: 0,
+            pinned_bytes: 0,
+            arena_overhead_bytes: 0,
+            cycle_peak_bytes: 0,
+            last_cycle_peak_bytes: 0,
+            cycle_escaped: (0, 0),
+            allocation_count: 0,
+            spill_count: 0,
+            failed_allocations: 0,
+        };
+        if ws.config.initial_size > 0 && ws.uses_arena() {
+            let cap = ws.capacity_for(0);
+            ws.replace_region(cap)?;
+        }
+        Ok(ws)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn config(&self) -> &WorkspaceConfiguration {
+        &self.config
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The debug mode in force (the environment overrides the configuration).
+    pub fn debug_mode(&self) -> DebugMode {
+        self.debug
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.depth > 0
+    }
+
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    pub fn is_destroyed(&self) -> bool {
+        self.destroyed
+    }
+
+    /// Completed cycles.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    pub fn is_initialized(&self) -> bool {
+        self.initialized
+    }
+
+    /// Live blocks in all regions and outside them (bypass blocks excluded).
+    pub fn live_blocks(&self) -> usize {
+        self.region.iter().chain(self.retired.iter()).map(|r| r.live_blocks()).sum::<usize>() + self.external_live_blocks
+    }
+
+    fn uses_arena(&self) -> bool {
+        self.config.policy_allocation != AllocationPolicy::Always && self.debug == DebugMode::Disabled
+    }
+
+    /// Arena capacity for a learned need of `need` bytes under the allocation policy and limits.
+    fn capacity_for(&self, need: usize) -> usize {
+        let c = &self.config;
+        let base = need.max(c.initial_size as usize);
+        let mut cap = match c.policy_allocation {
+            AllocationPolicy::Overallocate => base.saturating_add((base as f64 * c.overallocation_limit) as usize),
+            _ => base,
+        };
+        cap = cap.max(c.min_size as usize);
+        cap = if cap >= HUGE_ROUND_THRESHOLD { cap.div_ceil(HUGE_PAGE) * HUGE_PAGE } else { round_to_page(cap) };
+        if c.temp_block_size > 0 {
+            cap = cap.div_ceil(c.temp_block_size as usize) * c.temp_block_size as usize;
+        }
+        if c.max_size > 0 {
+            cap = cap.min(c.max_size as usize / BLOCK_ALIGN * BLOCK_ALIGN);
+        }
+        cap
+    }
+
+    fn capacity_total(&self) -> usize {
+        self.region.iter().chain(self.retired.iter()).map(|r| r.capacity()).sum()
+    }
+
+    /// Maps a new current region of `cap` bytes; the old one is dropped, or retired while blocks
+    /// in it live.
+    fn replace_region(&mut self, cap: usize) -> Result<(), Error> {
+        if cap == 0 {
+            return Ok(());
+        }
+        let id = self.next_region_id;
+        let region = ArenaRegion::new(id, cap, self.backend.clone(), true).map_err(|detail| Error::SystemOutOfMemory {
+            workspace: self.name.clone(),
+            requested: cap as u64,
+            detail,
+        })?;
+        self.next_region_id = self.next_region_id.wrapping_add(1).max(1);
+        if let Some(old) = self.region.replace(region) {
+            if old.live_blocks() > 0 {
+                self.retired.push(old);
+            }
+        }
+        Ok(())
+    }
+
+    /// Sizes the arena now from what was learned (or from the initial and minimum sizes).
+    pub fn initialize(&mut self) -> Result<(), Error> {
+        self.check_alive()?;
+        self.initialized = true;
+        if !self.uses_arena() {
+            return Ok(());
+        }
+        let cap = self.capacity_for(self.learner.need);
+        if cap > self.region.as_ref().map_or(0, |r| r.capacity()) {
+            self.replace_region(cap)?;
+        }
+        Ok(())
+    }
+
+    fn check_alive(&self) -> Result<(), Error> {
+        if self.destroyed {
+            Err(Error::Destroyed { workspace: self.name.clone() })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Opens a cycle, or nests in the open one.
+    pub fn enter(&mut self) -> Result<(), Error> {
+        self.check_alive()?;
+        if self.depth == 0 {
+            self.cycle_peak_bytes = self.used_bytes + self.external_bytes;
+            self.cycle_slot_peak = self.live_slot_bytes;
+        }
+        self.depth += 1;
+        Ok(())
+    }
+
+    /// Closes the innermost level; the outermost one ends the cycle: learning, growth, rewind.
+    pub fn exit(&mut self) -> Result<CycleReport, Error> {
+        if self.depth == 0 {
+            return Err(Error::NotOpen { workspace: self.name.clone(), operation: "exit" });
+        }
+        self.depth -= 1;
+        if self.depth > 0 || self.destroyed {
+            return Ok(CycleReport::default());
+        }
+        let escaped = self.cycle_escaped;
+        let need = self.cycle_slot_peak + self.cycle_live_slot_bytes;
+        let learning = !self.initialized;
+        if learning {
+            self.learner.need = self.learner.need.max(need);
+            self.learner.cycles_learned += 1;
+            if self.learner.cycles_learned >= self.config.cycles_before_initialization.max(1) {
+                // A failure to map leaves the workspace serving externally; it retries next cycle.
+                if self.initialize().is_err() {
+                    self.initialized = false;
+                }
+            }
+        } else if self.grow_at_cycle_end && self.uses_arena() {
+            self.learner.need = self.learner.need.max(need);
+            let cap = self.capacity_for(self.learner.need);
+            if cap > self.region.as_ref().map_or(0, |r| r.capacity()) {
+                let _ = self.replace_region(cap);
+            }
+        }
+        self.grow_at_cycle_end = false;
+        if self.config.policy_reset == ResetPolicy::BlockLeft {
+            if let Some(r) = self.region.as_mut() {
+                r.rewind();
+            }
+        }
+        self.generation += 1;
+        self.pinned_bytes = self.used_bytes + self.external_bytes;
+        self.last_cycle_peak_bytes = self.cycle_peak_bytes;
+        self.cycle_live_slot_bytes = 0;
+        self.cycle_escaped = (0, 0);
+        Ok(CycleReport { completed: true, escaped_blocks: escaped.0, escaped_bytes: escaped.1 })
+    }
+
+    /// Allocates `size` bytes, 64-byte aligned, under the workspace's policies.
+    #[inline]
+    pub fn alloc(&mut self, size: usize) -> Result<NonNull<u8>, Error> {
+        if self.destroyed {
+            return Err(Error::Destroyed { workspace: self.name.clone() });
+        }
+        let slot = slot_for(size).ok_or_else(|| self.out_of_memory(size, "request too large"))?;
+        if let Some(region) = self.region.as_mut() {
+            if (size as u64) >= self.config.helper_min_size {
+                if let Some(off) = region.carve(slot) {
+                    // SAFETY: `off` was just carved for this slot.
+                    let p = unsafe { region.hand_out(off, slot, size, self.generation) };
+                    self.count_arena(slot, size);
+                    return Ok(p);
+                }
+            }
+        }
+        self.alloc_outside(size, slot)
+    }
+
+    #[inline]
+    fn count_arena(&mut self, slot: usize, size: usize) {
+        self.used_bytes += size as u64;
+        self.arena_overhead_bytes += (slot - size) as u64;
+        self.count_live(slot, size);
+    }
+
+    #[inline]
+    fn count_live(&mut self, slot: usize, size: usize) {
+        self.allocation_count += 1;
+        self.live_slot_bytes += slot;
+        self.cycle_live_slot_bytes += slot;
+        self.cycle_escaped.0 += 1;
+        self.cycle_escaped.1 += size as u64;
+        if self.live_slot_bytes > self.cycle_slot_peak {
+            self.cycle_slot_peak = self.live_slot_bytes;
+        }
+        let live = self.used_bytes + self.external_bytes;
+        if live > self.cycle_peak_bytes {
+            self.cycle_peak_bytes = live;
+        }
+    }
+
+    fn out_of_memory(&self, size: usize, reason: &'static str) -> Error {
+        Error::OutOfMemory {
+            workspace: self.name.clone(),
+            requested: size as u64,
+            in_use: self.used_bytes + self.external_bytes,
+            limit: if self.config.max_size > 0 { self.config.max_size } else { self.capacity_total() as u64 },
+            reason,
+        }
+    }
+
+    #[cold]
+    fn alloc_outside(&mut self, size: usize, slot: usize) -> Result<NonNull<u8>, Error> {
+        if self.debug == DebugMode::BypassEverything || (size as u64) < self.config.helper_min_size {
+            return self.alloc_block(BlockKind::Bypass, size, slot);
+        }
+        let spill = self.initialized && self.config.policy_allocation != AllocationPolicy::Always;
+        if spill && self.debug == DebugMode::Disabled && self.config.policy_spill == SpillPolicy::Fail {
+            self.failed_allocations += 1;
+            return Err(self.out_of_memory(size, "the arena is full and the spill policy is FAIL"));
+        }
+        let mut ext = slot;
+        if self.config.temp_block_size > 0 {
+            let g = self.config.temp_block_size as usize;
+            ext = ext.div_ceil(g).saturating_mul(g);
+        }
+        if self.config.max_size > 0 {
+            let footprint = self.capacity_total() as u64 + self.external_slot_bytes;
+            if footprint.saturating_add(ext as u64) > self.config.max_size {
+                self.failed_allocations += 1;
+                return Err(self.out_of_memory(size, "max_size reached"));
+            }
+        }
+        let p = self.alloc_block(BlockKind::External, size, ext)?;
+        if spill {
+            self.spill_count += 1;
+            if self.config.policy_spill == SpillPolicy::Reallocate
+                || (self.config.policy_learning == LearningPolicy::OverTime && self.config.policy_spill != SpillPolicy::Fail)
+            {
+                self.grow_at_cycle_end = true;
+            }
+        }
+        Ok(p)
+    }
+
+    fn alloc_block(&mut self, kind: BlockKind, size: usize, len: usize) -> Result<NonNull<u8>, Error> {
+        let at = self.backend.alloc_block(len).map_err(|detail| {
+            self.failed_allocations += 1;
+            Error::SystemOutOfMemory { workspace: self.name.clone(), requested: size as u64, detail }
+        })?;
+        // SAFETY: `at` is a fresh 64-aligned block of `len >= HEADER` bytes owned by us.
+        let p = unsafe { write_live_header(at, kind, 0, len, size, self.generation) };
+        if kind == BlockKind::External {
+            self.external_bytes += size as u64;
+            self.external_slot_bytes += len as u64;
+            self.external_live_blocks += 1;
+            self.count_live(len, size);
+        }
+        Ok(p)
+    }
+
+    /// Allocates `size` zero-filled bytes.
+    pub fn alloc_zeroed(&mut self, size: usize) -> Result<NonNull<u8>, Error> {
+        let p = self.alloc(size)?;
+        // SAFETY: `p` is valid for `size` bytes, just handed out to us.
+        unsafe { std::ptr::write_bytes(p.as_ptr(), 0, size) };
+        Ok(p)
+    }
+
+    /// Takes a block back. Frees of blocks from earlier cycles unpin them; a region retired by
+    /// growth, or kept alive by a destroyed workspace, is released with its last block.
+    ///
+    /// # Safety
+    /// `p` was returned by `alloc`, `alloc_zeroed` or `realloc` of this workspace and was not freed.
+    pub unsafe fn free(&mut self, p: NonNull<u8>) {
+        // SAFETY: the caller guarantees `p` is a live block of ours, so its header precedes it.
+        let h = unsafe { header_of(p) };
+        debug_assert!(h.is_live(), "double free or foreign pointer in workspace {:?}", self.name);
+        let (size, slot, gen, kind) = (h.requested, h.slot, h.generation, h.kind);
+        if kind != BlockKind::Bypass {
+            self.live_slot_bytes -= slot;
+            if gen == self.generation {
+                self.cycle_live_slot_bytes -= slot;
+                self.cycle_escaped.0 -= 1;
+                self.cycle_escaped.1 -= size as u64;
+            } else {
+                self.pinned_bytes -= size as u64;
+            }
+        }
+        match kind {
+            BlockKind::Arena => {
+                self.used_bytes -= size as u64;
+                self.arena_overhead_bytes -= (slot - size) as u64;
+                // SAFETY: the header is live and names the region that handed it out.
+                unsafe { self.release_arena(h) };
+            }
+            BlockKind::External | BlockKind::Bypass => {
+                if kind == BlockKind::External {
+                    self.external_bytes -= size as u64;
+                    self.external_slot_bytes -= slot as u64;
+                    self.external_live_blocks -= 1;
+                }
+                h.magic = 0;
+                // SAFETY: the block was allocated by `alloc_block` of this backend with `slot`
+                // bytes, its header sits at its start, and the caller gives it up.
+                unsafe { self.backend.free_block(NonNull::from(h).cast(), slot) };
+            }
+        }
+    }
+
+    /// # Safety
+    /// `h` is the live header of an arena block of this workspace.
+    unsafe fn release_arena(&mut self, h: &mut BlockHeader) {
+        let id = h.region;
+        if let Some(r) = self.region.as_mut().filter(|r| r.id() == id) {
+            // SAFETY: forwarded.
+            unsafe { r.release(h) };
+            if self.destroyed && r.live_blocks() == 0 {
+                self.region = None;
+            }
+            return;
+        }
+        let idx = self.retired.iter().position(|r| r.id() == id).expect("block of an unknown region");
+        // SAFETY: forwarded.
+        unsafe { self.retired[idx].release(h) };
+        if self.retired[idx].live_blocks() == 0 {
+            self.retired.swap_remove(idx);
+        }
+    }
+
+    /// Resizes a block, keeping its contents up to the smaller size. In place when it fits.
+    ///
+    /// # Safety
+    /// As for [`Workspace::free`].
+    pub unsafe fn realloc(&mut self, p: NonNull<u8>, new_size: usize) -> Result<NonNull<u8>, Error> {
+        // SAFETY: the caller guarantees `p` is a live block of ours.
+        let h = unsafe { header_of(p) };
+        let old = h.requested;
+        if h.kind == BlockKind::Arena && slot_for(new_size) == Some(h.slot) && !self.destroyed {
+            h.requested = new_size;
+            let (o, n) = (old as u64, new_size as u64);
+            self.used_bytes = self.used_bytes + n - o;
+            self.arena_overhead_bytes = self.arena_overhead_bytes + o - n;
+            if h.generation == self.generation {
+                self.cycle_escaped.1 = self.cycle_escaped.1 + n - o;
+            } else {
+                self.pinned_bytes = self.pinned_bytes + n - o;
+            }
+            let live = self.used_bytes + self.external_bytes;
+            self.cycle_peak_bytes = self.cycle_peak_bytes.max(live);
+            return Ok(p);
+        }
+        let q = if self.destroyed {
+            let slot = slot_for(new_size).ok_or_else(|| self.out_of_memory(new_size, "request too large"))?;
+            self.alloc_block(BlockKind::Bypass, new_size, slot)?
+        } else {
+            self.alloc(new_size)?
+        };
+        // SAFETY: both blocks are live, distinct, and valid for the bytes copied.
+        unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), q.as_ptr(), old.min(new_size)) };
+        // SAFETY: `p` is live and ours (caller's guarantee); it is freed once, here.
+        unsafe { self.free(p) };
+        Ok(q)
+    }
+
+    /// What the workspace knows of a live block.
+    ///
+    /// # Safety
+    /// As for [`Workspace::free`].
+    pub unsafe fn block_info(&self, p: NonNull<u8>) -> BlockInfo {
+        // SAFETY: the caller guarantees `p` is a live block of ours.
+        let h = unsafe { header_of(p) };
+        let region = (h.kind == BlockKind::Arena).then(|| {
+            let r = self.region.iter().chain(self.retired.iter()).find(|r| r.id() == h.region).expect("known region");
+            (r.base().as_ptr() as usize, r.capacity())
+        });
+        BlockInfo { kind: h.kind, requested: h.requested, generation: h.generation, region }
+    }
+
+    /// Destroys the workspace: unreferenced memory is released now, memory under live blocks
+    /// when its last block is freed. Idempotent.
+    pub fn destroy(&mut self) {
+        self.destroyed = true;
+        self.depth = 0;
+        if self.region.as_ref().is_some_and(|r| r.live_blocks() == 0) {
+            self.region = None;
+        }
+        self.retired.retain(|r| r.live_blocks() > 0);
+    }
+
+    pub fn stats(&self) -> WorkspaceStats {
+        let cap = self.capacity_total() as u64;
+        let arena_live: u64 = self.region.iter().chain(self.retired.iter()).map(|r| r.live_slot_bytes() as u64).sum();
+        WorkspaceStats {
+            cycles: self.generation,
+            capacity_bytes: cap,
+            used_bytes: self.used_bytes,
+            peak_cycle_bytes: if self.depth > 0 { self.cycle_peak_bytes } else { self.last_cycle_peak_bytes },
+            cached_bytes: cap - arena_live,
+            external_bytes: self.external_bytes,
+            pinned_bytes: self.pinned_bytes,
+            overhead_bytes: self.arena_overhead_bytes,
+            allocation_count: self.allocation_count,
+            spill_count: self.spill_count,
+            failed_allocations: self.failed_allocations,
+        }
+    }
+
+    /// Counts a refusal that happened outside the workspace (for example a request too large for
+    /// the caller's own arithmetic).
+    pub fn record_failure(&mut self) {
+        self.failed_allocations += 1;
+    }
+
+    /// The header size every block carries, for callers sizing arenas by hand.
+    pub const fn header_bytes() -> usize {
+        HEADER
+    }
+}

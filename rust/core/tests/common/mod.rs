@@ -1,0 +1,33 @@
+//! Shared helpers for the integration tests: the backends every conformance test runs against.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use rustws_core::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor};
+
+/// Every host backend, plus an adaptor over one, by name.
+pub fn backends() -> Vec<(&'static str, Arc<dyn Backend>)> {
+    vec![
+        ("anonymous", Arc::new(AnonymousMemory)),
+        ("mmap-file", Arc::new(FileMappedMemory::new(std::env::temp_dir()))),
+        ("heap (device stand-in)", Arc::new(HeapMemory)),
+        ("limit(anonymous)", Arc::new(LimitAdaptor::new(Arc::new(AnonymousMemory), 1 << 34))),
+    ]
+}
+
+/// Fills `len` bytes at `p` with a pattern derived from `seed`.
+pub fn fill(p: *mut u8, len: usize, seed: u8) {
+    for i in 0..len {
+        // SAFETY: the caller passes a live block of at least `len` bytes.
+        unsafe { *p.add(i) = seed.wrapping_add((i as u8).wrapping_mul(31)) };
+    }
+}
+
+/// Whether the pattern of `fill` is intact.
+pub fn intact(p: *const u8, len: usize, seed: u8) -> bool {
+    (0..len).all(|i| {
+        // SAFETY: as for `fill`.
+        unsafe { *p.add(i) == seed.wrapping_add((i as u8).wrapping_mul(31)) }
+    })
+}

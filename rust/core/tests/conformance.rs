@@ -1,0 +1,439 @@
+//! One conformance suite, run against every backend: the arena logic is the same whatever the
+//! memory source, so each test here is instantiated once per backend by `for_each_backend`.
+
+mod common;
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use common::{backends, fill, intact};
+use rustws_core::*;
+
+fn ws(backend: &Arc<dyn Backend>, config: WorkspaceConfiguration) -> Workspace {
+    Workspace::with_backend("T", config, backend.clone()).unwrap()
+}
+
+fn for_each_backend(test: impl Fn(&str, &Arc<dyn Backend>)) {
+    for (name, b) in backends() {
+        test(name, &b);
+    }
+}
+
+fn cfg() -> WorkspaceConfiguration {
+    WorkspaceConfiguration::default()
+}
+
+const MB16: usize = 16 << 20;
+
+#[test]
+fn first_loop_learns_then_serves_every_cycle_from_the_arena() {
+    for_each_backend(|name, b| {
+        let mut w = ws(b, cfg());
+        for cycle in 0..5 {
+            w.enter().unwrap();
+            let a = w.alloc(MB16).unwrap();
+            let c = w.alloc(MB16).unwrap();
+            fill(a.as_ptr(), 4096, 1);
+            fill(c.as_ptr(), 4096, 2);
+            let s = w.stats();
+            if cycle == 0 {
+                assert_eq!(s.capacity_bytes, 0, "{name}: nothing mapped while learning");
+                assert_eq!(s.external_bytes, 2 * MB16 as u64, "{name}");
+            } else {
+                assert_eq!(s.external_bytes, 0, "{name}: cycle {cycle} spilled");
+                assert_eq!(s.used_bytes, 2 * MB16 as u64, "{name}");
+            }
+            // SAFETY: both live, freed once.
+            unsafe {
+                w.free(a);
+                w.free(c);
+            }
+            w.exit().unwrap();
+        }
+        let s = w.stats();
+        assert_eq!(s.cycles, 5);
+        assert_eq!(s.spill_count, 0, "{name}");
+        // OVERALLOCATE 0.3 on top of two 16 MiB blocks and their headers, rounded to 2 MiB.
+        let need = 2 * (MB16 + HEADER);
+        assert!(s.capacity_bytes as usize >= need + need * 3 / 10, "{name}: {s:?}");
+        assert!((s.capacity_bytes as usize) < need * 14 / 10 + (2 << 20), "{name}: {s:?}");
+        assert_eq!(s.used_bytes + s.cached_bytes + s.overhead_bytes, s.capacity_bytes);
+    });
+}
+
+#[test]
+fn a_block_kept_past_its_cycle_keeps_its_contents_and_is_pinned() {
+    for_each_backend(|name, b| {
+        let mut w = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, ..cfg() });
+        w.enter().unwrap();
+        let kept = w.alloc(10_000).unwrap();
+        fill(kept.as_ptr(), 10_000, 9);
+        w.exit().unwrap();
+        assert_eq!(w.stats().pinned_bytes, 10_000, "{name}");
+        for i in 0..100 {
+            w.enter().unwrap();
+            let mut tmp = Vec::new();
+            for j in 0..20 {
+                let p = w.alloc(5_000 + j * 100).unwrap();
+                fill(p.as_ptr(), 5_000, i as u8);
+                tmp.push(p);
+            }
+            for p in tmp {
+                // SAFETY: live, freed once.
+                unsafe { w.free(p) };
+            }
+            w.exit().unwrap();
+            assert!(intact(kept.as_ptr(), 10_000, 9), "{name}: pinned block overwritten in cycle {i}");
+        }
+        assert_eq!(w.stats().pinned_bytes, 10_000);
+        // SAFETY: live, freed once.
+        unsafe { w.free(kept) };
+        assert_eq!(w.stats().pinned_bytes, 0);
+    });
+}
+
+#[test]
+fn escaping_every_cycle_stays_bounded() {
+    // `w = w - lr * g`: each cycle allocates the new weights and frees the previous ones.
+    for_each_backend(|name, b| {
+        let mut w = ws(b, cfg());
+        let mut weights: Option<NonNull<u8>> = None;
+        let mut caps = Vec::new();
+        for i in 0..200u32 {
+            w.enter().unwrap();
+            let g = w.alloc(1 << 20).unwrap();
+            let nw = w.alloc(1 << 20).unwrap();
+            fill(nw.as_ptr(), 1 << 12, i as u8);
+            // SAFETY: live blocks, each freed once.
+            unsafe {
+                w.free(g);
+                if let Some(old) = weights.replace(nw) {
+                    w.free(old);
+                }
+            }
+            w.exit().unwrap();
+            caps.push(w.stats().capacity_bytes);
+        }
+        let s = w.stats();
+        assert!(caps[10..].iter().all(|c| *c == caps[10]), "{name}: capacity kept changing: {:?}", &caps[..20]);
+        assert!(s.capacity_bytes < 6 << 20, "{name}: {s:?}");
+        assert!(s.spill_count <= 2, "{name}: {s:?}");
+        assert!(intact(weights.unwrap().as_ptr(), 1 << 12, 199));
+    });
+}
+
+#[test]
+fn memory_freed_inside_one_long_cycle_is_reused() {
+    for_each_backend(|name, b| {
+        let mut w = ws(b, WorkspaceConfiguration { initial_size: 8 << 20, policy_learning: LearningPolicy::None, ..cfg() });
+        w.enter().unwrap();
+        let mut live: Vec<(NonNull<u8>, usize, u8)> = Vec::new();
+        for step in 0..20_000usize {
+            let size = 1000 + (step * 7919) % 60_000;
+            let p = w.alloc(size).unwrap();
+            fill(p.as_ptr(), size.min(256), step as u8);
+            live.push((p, size, step as u8));
+            if live.len() > 40 {
+                let (q, n, seed) = live.remove((step * 31) % live.len());
+                assert!(intact(q.as_ptr(), n.min(256), seed), "{name}");
+                // SAFETY: live, freed once.
+                unsafe { w.free(q) };
+            }
+        }
+        let s = w.stats();
+        assert_eq!(s.spill_count, 0, "{name}: the arena should have been enough: {s:?}");
+        assert_eq!(s.external_bytes, 0);
+        w.exit().unwrap();
+        for (p, ..) in live {
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+        }
+    });
+}
+
+#[test]
+fn spill_fail_refuses_with_the_limit_in_the_message() {
+    for_each_backend(|name, b| {
+        let c = WorkspaceConfiguration {
+            initial_size: 1 << 20,
+            policy_learning: LearningPolicy::None,
+            policy_spill: SpillPolicy::Fail,
+            policy_allocation: AllocationPolicy::Strict,
+            ..cfg()
+        };
+        let mut w = ws(b, c);
+        w.enter().unwrap();
+        let a = w.alloc(900_000).unwrap();
+        let err = w.alloc(900_000).unwrap_err();
+        assert!(matches!(err, Error::OutOfMemory { requested: 900_000, .. }), "{name}: {err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains("\"T\"") && msg.contains("900000") && msg.contains("FAIL"), "{msg}");
+        assert_eq!(w.stats().failed_allocations, 1);
+        // SAFETY: live, freed once.
+        unsafe { w.free(a) };
+        w.exit().unwrap();
+    });
+}
+
+#[test]
+fn spill_reallocate_grows_and_external_never_does() {
+    for_each_backend(|name, b| {
+        for (policy, grows) in [(SpillPolicy::Reallocate, true), (SpillPolicy::External, false)] {
+            let c = WorkspaceConfiguration {
+                initial_size: 1 << 20,
+                policy_learning: LearningPolicy::None,
+                policy_spill: policy,
+                ..cfg()
+            };
+            let mut w = ws(b, c);
+            let before = w.stats().capacity_bytes;
+            for _ in 0..3 {
+                w.enter().unwrap();
+                let a = w.alloc(3 << 20).unwrap();
+                // SAFETY: live, freed once.
+                unsafe { w.free(a) };
+                w.exit().unwrap();
+            }
+            let s = w.stats();
+            if grows {
+                assert!(s.capacity_bytes > 3 << 20, "{name}: {s:?}");
+                assert_eq!(s.spill_count, 1, "{name}: only the first cycle spills");
+            } else {
+                assert_eq!(s.capacity_bytes, before, "{name}");
+                assert_eq!(s.spill_count, 3, "{name}");
+            }
+        }
+    });
+}
+
+#[test]
+fn circular_reset_continues_across_cycles_and_wraps_around_live_blocks() {
+    for_each_backend(|name, b| {
+        let c = WorkspaceConfiguration {
+            initial_size: 1 << 20,
+            policy_learning: LearningPolicy::None,
+            policy_reset: ResetPolicy::EndOfBufferReached,
+            policy_allocation: AllocationPolicy::Strict,
+            ..cfg()
+        };
+        let mut w = ws(b, c);
+        let mut ring: std::collections::VecDeque<(NonNull<u8>, u8)> = Default::default();
+        let mut addrs = std::collections::BTreeSet::new();
+        for i in 0..400u32 {
+            w.enter().unwrap();
+            let p = w.alloc(100_000).unwrap();
+            fill(p.as_ptr(), 100_000, i as u8);
+            addrs.insert(p.as_ptr() as usize);
+            ring.push_back((p, i as u8));
+            w.exit().unwrap();
+            if ring.len() > 4 {
+                let (q, seed) = ring.pop_front().unwrap();
+                assert!(intact(q.as_ptr(), 100_000, seed), "{name}: item {i} overwrote a live one");
+                // SAFETY: live, freed once.
+                unsafe { w.free(q) };
+            }
+        }
+        assert_eq!(w.stats().spill_count, 0, "{name}: {:?}", w.stats());
+        assert!(addrs.len() >= 8, "{name}: allocation should move around the ring, saw {} places", addrs.len());
+    });
+}
+
+#[test]
+fn destroying_with_live_blocks_keeps_their_memory() {
+    for_each_backend(|name, b| {
+        let mut w = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, ..cfg() });
+        w.enter().unwrap();
+        let p = w.alloc(4096).unwrap();
+        fill(p.as_ptr(), 4096, 5);
+        w.exit().unwrap();
+        w.destroy();
+        w.destroy();
+        assert!(matches!(w.alloc(1), Err(Error::Destroyed { .. })));
+        assert!(matches!(w.enter(), Err(Error::Destroyed { .. })));
+        assert!(intact(p.as_ptr(), 4096, 5), "{name}");
+        assert!(w.stats().capacity_bytes > 0, "{name}: memory under a live block released");
+        // SAFETY: live, freed once.
+        unsafe { w.free(p) };
+        assert_eq!(w.stats().capacity_bytes, 0, "{name}: released with its last block");
+    });
+}
+
+#[test]
+fn nested_cycles_reset_only_at_the_outermost_exit() {
+    for_each_backend(|_, b| {
+        let mut w = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, ..cfg() });
+        w.enter().unwrap();
+        w.enter().unwrap();
+        let p = w.alloc(100).unwrap();
+        assert!(!w.exit().unwrap().completed);
+        assert_eq!(w.generation(), 0);
+        assert!(w.is_open());
+        let r = w.exit().unwrap();
+        assert!(r.completed && r.escaped_blocks == 1 && r.escaped_bytes == 100);
+        assert_eq!(w.generation(), 1);
+        assert!(matches!(w.exit(), Err(Error::NotOpen { .. })));
+        // SAFETY: live, freed once.
+        unsafe { w.free(p) };
+    });
+}
+
+#[test]
+fn over_time_learns_for_its_cycles_then_keeps_adapting() {
+    for_each_backend(|name, b| {
+        let c = WorkspaceConfiguration { policy_learning: LearningPolicy::OverTime, cycles_before_initialization: 3, ..cfg() };
+        let mut w = ws(b, c);
+        let run = |w: &mut Workspace, size: usize| {
+            w.enter().unwrap();
+            let p = w.alloc(size).unwrap();
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+            w.exit().unwrap();
+        };
+        run(&mut w, 100_000);
+        run(&mut w, 300_000);
+        assert_eq!(w.stats().capacity_bytes, 0, "{name}: still learning");
+        run(&mut w, 200_000);
+        let c1 = w.stats().capacity_bytes;
+        assert!(c1 as usize >= 300_000, "{name}: learned the largest of the three: {c1}");
+        run(&mut w, 1_000_000);
+        let c2 = w.stats().capacity_bytes;
+        assert!(c2 as usize >= 1_000_000, "{name}: adapted to a larger cycle: {c2}");
+        run(&mut w, 1_000_000);
+        assert_eq!(w.stats().spill_count, 1, "{name}");
+    });
+}
+
+#[test]
+fn allocation_policies_size_the_arena() {
+    for_each_backend(|name, b| {
+        let strict = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, policy_allocation: AllocationPolicy::Strict, ..cfg() });
+        assert_eq!(strict.stats().capacity_bytes, 1 << 20, "{name}");
+        let over = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, overallocation_limit: 0.5, ..cfg() });
+        assert_eq!(over.stats().capacity_bytes, 3 << 19, "{name}");
+        let mut always = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, policy_allocation: AllocationPolicy::Always, ..cfg() });
+        assert_eq!(always.stats().capacity_bytes, 0, "{name}");
+        always.enter().unwrap();
+        let p = always.alloc(1000).unwrap();
+        assert_eq!(always.stats().external_bytes, 1000);
+        // SAFETY: live, freed once.
+        unsafe { always.free(p) };
+        always.exit().unwrap();
+        let minmax = ws(b, WorkspaceConfiguration { initial_size: 1000, min_size: 1 << 20, max_size: 2 << 20, ..cfg() });
+        assert_eq!(minmax.stats().capacity_bytes, 1 << 20, "{name}: min_size wins over a small initial size");
+    });
+}
+
+#[test]
+fn max_size_bounds_the_footprint_under_every_spill_policy() {
+    for_each_backend(|name, b| {
+        for policy in [SpillPolicy::External, SpillPolicy::Reallocate] {
+            let c = WorkspaceConfiguration { initial_size: 1 << 20, max_size: 2 << 20, policy_spill: policy, ..cfg() };
+            let mut w = ws(b, c);
+            w.enter().unwrap();
+            let a = w.alloc(1 << 20).unwrap();
+            let err = w.alloc(3 << 20).unwrap_err();
+            assert!(matches!(err, Error::OutOfMemory { limit, .. } if limit == 2 << 20), "{name}: {err:?}");
+            // SAFETY: live, freed once.
+            unsafe { w.free(a) };
+            w.exit().unwrap();
+        }
+    });
+}
+
+#[test]
+fn helper_min_size_bypasses_the_accounts() {
+    for_each_backend(|_, b| {
+        let mut w = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, helper_min_size: 1024, ..cfg() });
+        w.enter().unwrap();
+        let small = w.alloc(100).unwrap();
+        let big = w.alloc(2048).unwrap();
+        // SAFETY: both live.
+        let (ks, kb) = unsafe { (w.block_info(small).kind, w.block_info(big).kind) };
+        assert_eq!((ks, kb), (BlockKind::Bypass, BlockKind::Arena));
+        assert_eq!(w.stats().used_bytes, 2048);
+        // SAFETY: live, freed once.
+        unsafe {
+            w.free(small);
+            w.free(big);
+        }
+        w.exit().unwrap();
+    });
+}
+
+#[test]
+fn realloc_keeps_contents_in_place_or_moved() {
+    for_each_backend(|name, b| {
+        let mut w = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, ..cfg() });
+        w.enter().unwrap();
+        let p = w.alloc(1000).unwrap();
+        fill(p.as_ptr(), 1000, 3);
+        // SAFETY: live blocks throughout, each freed once.
+        unsafe {
+            let q = w.realloc(p, 1010).unwrap();
+            assert_eq!(q, p, "{name}: same slot, same place");
+            let r = w.realloc(q, 100_000).unwrap();
+            assert!(intact(r.as_ptr(), 1000, 3), "{name}");
+            assert_eq!(w.stats().used_bytes, 100_000);
+            let s = w.realloc(r, 10).unwrap();
+            assert!(intact(s.as_ptr(), 10, 3));
+            w.free(s);
+        }
+        assert_eq!(w.stats().used_bytes, 0);
+        w.exit().unwrap();
+    });
+}
+
+#[test]
+fn a_refusing_backend_is_an_error_not_a_panic() {
+    let limited: Arc<dyn Backend> = Arc::new(LimitAdaptor::new(Arc::new(AnonymousMemory), 1 << 20));
+    let err = Workspace::with_backend("L", WorkspaceConfiguration { initial_size: 4 << 20, ..cfg() }, limited.clone()).unwrap_err();
+    assert!(matches!(err, Error::SystemOutOfMemory { .. }), "{err:?}");
+    let mut w = Workspace::with_backend("L", cfg(), limited).unwrap();
+    w.enter().unwrap();
+    let err = w.alloc(2 << 20).unwrap_err();
+    assert!(err.to_string().contains("limit of 1048576"), "{err}");
+    assert_eq!(w.stats().failed_allocations, 1);
+    let p = w.alloc(1000).unwrap();
+    // SAFETY: live, freed once.
+    unsafe { w.free(p) };
+    w.exit().unwrap();
+}
+
+#[test]
+fn debug_spill_everything_spills_every_allocation() {
+    let mut w = Workspace::new("D", WorkspaceConfiguration { initial_size: 1 << 20, debug_mode: DebugMode::SpillEverything, ..cfg() }).unwrap();
+    if w.debug_mode() != DebugMode::SpillEverything {
+        return; // RUSTWS_DEBUG_MODE overrides the configuration in this environment.
+    }
+    w.initialize().unwrap();
+    w.enter().unwrap();
+    let p = w.alloc(10).unwrap();
+    assert_eq!(w.stats().spill_count, 1);
+    assert_eq!(w.stats().capacity_bytes, 0);
+    // SAFETY: live, freed once.
+    unsafe { w.free(p) };
+    w.exit().unwrap();
+}
+
+#[test]
+fn frees_from_another_thread_through_a_lock() {
+    let w = Arc::new(std::sync::Mutex::new(Workspace::new("X", WorkspaceConfiguration { initial_size: 1 << 20, ..cfg() }).unwrap()));
+    let ptrs: Vec<usize> = {
+        let mut g = w.lock().unwrap();
+        g.enter().unwrap();
+        let v = (0..100).map(|_| g.alloc(1000).unwrap().as_ptr() as usize).collect();
+        g.exit().unwrap();
+        v
+    };
+    let w2 = w.clone();
+    std::thread::spawn(move || {
+        for p in ptrs {
+            // SAFETY: each pointer is a live block of this workspace, freed once.
+            unsafe { w2.lock().unwrap().free(NonNull::new(p as *mut u8).unwrap()) };
+        }
+    })
+    .join()
+    .unwrap();
+    let s = w.lock().unwrap().stats();
+    assert_eq!((s.used_bytes, s.pinned_bytes), (0, 0));
+}
