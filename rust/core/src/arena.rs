@@ -67,11 +67,25 @@ pub fn slot_for(size: usize) -> Option<usize> {
 /// # Safety
 /// `at` is 64-byte aligned and valid for writes of `HEADER` bytes, and the caller owns
 /// `[at, at + slot)` exclusively.
-pub unsafe fn write_live_header(at: NonNull<u8>, kind: BlockKind, region: u32, slot: usize, requested: usize, generation: u64) -> NonNull<u8> {
+pub unsafe fn write_live_header(
+    at: NonNull<u8>,
+    kind: BlockKind,
+    region: u32,
+    slot: usize,
+    requested: usize,
+    generation: u64,
+) -> NonNull<u8> {
     debug_assert_eq!(at.as_ptr() as usize % BLOCK_ALIGN, 0);
     // SAFETY: the caller guarantees `at` is aligned and writable for a header.
     unsafe {
-        at.cast::<BlockHeader>().as_ptr().write(BlockHeader { magic: MAGIC_LIVE, kind, region, slot, requested, generation });
+        at.cast::<BlockHeader>().as_ptr().write(BlockHeader {
+            magic: MAGIC_LIVE,
+            kind,
+            region,
+            slot,
+            requested,
+            generation,
+        });
         at.add(HEADER)
     }
 }

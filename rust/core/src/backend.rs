@@ -141,11 +141,7 @@ impl FileMappedMemory {
 
     fn open(&self) -> Result<File, String> {
         if self.path.is_dir() {
-            let name = format!(
-                "rustws-{}-{}.mmap",
-                std::process::id(),
-                FILE_COUNTER.fetch_add(1, Ordering::Relaxed)
-            );
+            let name = format!("rustws-{}-{}.mmap", std::process::id(), FILE_COUNTER.fetch_add(1, Ordering::Relaxed));
             let full = self.path.join(name);
             let f = OpenOptions::new()
                 .read(true)
@@ -236,9 +232,10 @@ impl LimitAdaptor {
     fn reserve(&self, len: usize) -> Result<(), String> {
         let mut cur = self.held.load(Ordering::Relaxed);
         loop {
-            let next = cur.checked_add(len).filter(|n| *n <= self.limit).ok_or_else(|| {
-                format!("limit of {} bytes reached ({} held, {} requested)", self.limit, cur, len)
-            })?;
+            let next = cur
+                .checked_add(len)
+                .filter(|n| *n <= self.limit)
+                .ok_or_else(|| format!("limit of {} bytes reached ({} held, {} requested)", self.limit, cur, len))?;
             match self.held.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => return Ok(()),
                 Err(actual) => cur = actual,

@@ -229,10 +229,7 @@ impl WorkspaceConfiguration {
         if self.max_size > 0 && self.max_size < self.initial_size {
             return Err(invalid(
                 "max_size",
-                format!(
-                    "max_size ({}) is smaller than initial_size ({})",
-                    self.max_size, self.initial_size
-                ),
+                format!("max_size ({}) is smaller than initial_size ({})", self.max_size, self.initial_size),
             ));
         }
         if self.max_size > 0 && self.max_size < self.min_size {
@@ -252,10 +249,7 @@ impl WorkspaceConfiguration {
                 ));
             }
             if self.initial_size == 0 {
-                return Err(invalid(
-                    "initial_size",
-                    "a memory-mapped workspace needs initial_size > 0".to_string(),
-                ));
+                return Err(invalid("initial_size", "a memory-mapped workspace needs initial_size > 0".to_string()));
             }
             if self.policy_allocation == AllocationPolicy::Always {
                 return Err(invalid(
@@ -264,12 +258,7 @@ impl WorkspaceConfiguration {
                 ));
             }
             match &self.temp_file_path {
-                None => {
-                    return Err(invalid(
-                        "temp_file_path",
-                        "policy_location MMAP needs temp_file_path".to_string(),
-                    ))
-                }
+                None => return Err(invalid("temp_file_path", "policy_location MMAP needs temp_file_path".to_string())),
                 Some(p) => check_usable_path(p)?,
             }
         }
@@ -292,14 +281,11 @@ fn check_usable_path(p: &std::path::Path) -> Result<(), Error> {
         match p.parent() {
             Some(parent) if parent.as_os_str().is_empty() => PathBuf::from("."),
             Some(parent) => parent.to_path_buf(),
-            None => {
-                return Err(invalid("temp_file_path", format!("{} has no parent folder", p.display())))
-            }
+            None => return Err(invalid("temp_file_path", format!("{} has no parent folder", p.display()))),
         }
     };
-    let meta = std::fs::metadata(&dir).map_err(|e| {
-        invalid("temp_file_path", format!("folder {} is not usable: {e}", dir.display()))
-    })?;
+    let meta = std::fs::metadata(&dir)
+        .map_err(|e| invalid("temp_file_path", format!("folder {} is not usable: {e}", dir.display())))?;
     if !meta.is_dir() {
         return Err(invalid("temp_file_path", format!("{} is not a folder", dir.display())));
     }
@@ -314,9 +300,7 @@ fn check_usable_path(p: &std::path::Path) -> Result<(), Error> {
 /// TiB, and the bare K, M, G, T) powers of 1024.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
-        .unwrap_or(t.len());
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let num = num.replace('_', "");
     let unit = unit.trim();

@@ -9,7 +9,9 @@ use std::sync::Arc;
 
 use crate::arena::{header_of, slot_for, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
 use crate::backend::{round_to_page, AnonymousMemory, Backend, FileMappedMemory, BLOCK_ALIGN};
-use crate::config::{AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration};
+use crate::config::{
+    AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration,
+};
 use crate::error::Error;
 
 /// Arenas at least this large are rounded to whole 2 MiB huge pages.
@@ -125,7 +127,11 @@ impl Workspace {
     }
 
     /// A workspace over an explicit backend (device memory, a limit adaptor, a test stand-in).
-    pub fn with_backend(name: impl Into<String>, config: WorkspaceConfiguration, backend: Arc<dyn Backend>) -> Result<Self, Error> {
+    pub fn with_backend(
+        name: impl Into<String>,
+        config: WorkspaceConfiguration,
+        backend: Arc<dyn Backend>,
+    ) -> Result<Self, Error> {
         config.validate()?;
         let debug = config.effective_debug_mode();
         let mut ws = Workspace {
@@ -205,7 +211,8 @@ impl Workspace {
 
     /// Live blocks in all regions and outside them (bypass blocks excluded).
     pub fn live_blocks(&self) -> usize {
-        self.region.iter().chain(self.retired.iter()).map(|r| r.live_blocks()).sum::<usize>() + self.external_live_blocks
+        self.region.iter().chain(self.retired.iter()).map(|r| r.live_blocks()).sum::<usize>()
+            + self.external_live_blocks
     }
 
     fn uses_arena(&self) -> bool {
@@ -242,10 +249,8 @@ impl Workspace {
             return Ok(());
         }
         let id = self.next_region_id;
-        let region = ArenaRegion::new(id, cap, self.backend.clone(), true).map_err(|detail| Error::SystemOutOfMemory {
-            workspace: self.name.clone(),
-            requested: cap as u64,
-            detail,
+        let region = ArenaRegion::new(id, cap, self.backend.clone(), true).map_err(|detail| {
+            Error::SystemOutOfMemory { workspace: self.name.clone(), requested: cap as u64, detail }
         })?;
         self.next_region_id = self.next_region_id.wrapping_add(1).max(1);
         if let Some(old) = self.region.replace(region) {
@@ -410,7 +415,8 @@ impl Workspace {
         if spill {
             self.spill_count += 1;
             if self.config.policy_spill == SpillPolicy::Reallocate
-                || (self.config.policy_learning == LearningPolicy::OverTime && self.config.policy_spill != SpillPolicy::Fail)
+                || (self.config.policy_learning == LearningPolicy::OverTime
+                    && self.config.policy_spill != SpillPolicy::Fail)
             {
                 self.grow_at_cycle_end = true;
             }
@@ -430,6 +436,18 @@ impl Workspace {
             self.external_slot_bytes += len as u64;
             self.external_live_blocks += 1;
             self.count_live(len, size);
+        }
+        Ok(p)
+    }
+
+    /// Allocates outside the workspace's arena and accounts (a bypass block), whatever its state:
+    /// for callers that must keep working after `destroy`. Freed with [`Workspace::free`].
+    pub fn alloc_unaccounted(&mut self, size: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
+        let slot = slot_for(size).ok_or_else(|| self.out_of_memory(size, "request too large"))?;
+        let p = self.alloc_block(BlockKind::Bypass, size, slot)?;
+        if zeroed {
+            // SAFETY: `p` is valid for `size` bytes, just handed out to us.
+            unsafe { std::ptr::write_bytes(p.as_ptr(), 0, size) };
         }
         Ok(p)
     }
@@ -525,12 +543,7 @@ impl Workspace {
             self.cycle_peak_bytes = self.cycle_peak_bytes.max(live);
             return Ok(p);
         }
-        let q = if self.destroyed {
-            let slot = slot_for(new_size).ok_or_else(|| self.out_of_memory(new_size, "request too large"))?;
-            self.alloc_block(BlockKind::Bypass, new_size, slot)?
-        } else {
-            self.alloc(new_size)?
-        };
+        let q = if self.destroyed { self.alloc_unaccounted(new_size, false)? } else { self.alloc(new_size)? };
         // SAFETY: both blocks are live, distinct, and valid for the bytes copied.
         unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), q.as_ptr(), old.min(new_size)) };
         // SAFETY: `p` is live and ours (caller's guarantee); it is freed once, here.

@@ -125,7 +125,8 @@ fn escaping_every_cycle_stays_bounded() {
 #[test]
 fn memory_freed_inside_one_long_cycle_is_reused() {
     for_each_backend(|name, b| {
-        let mut w = ws(b, WorkspaceConfiguration { initial_size: 8 << 20, policy_learning: LearningPolicy::None, ..cfg() });
+        let mut w =
+            ws(b, WorkspaceConfiguration { initial_size: 8 << 20, policy_learning: LearningPolicy::None, ..cfg() });
         w.enter().unwrap();
         let mut live: Vec<(NonNull<u8>, usize, u8)> = Vec::new();
         for step in 0..20_000usize {
@@ -280,7 +281,11 @@ fn nested_cycles_reset_only_at_the_outermost_exit() {
 #[test]
 fn over_time_learns_for_its_cycles_then_keeps_adapting() {
     for_each_backend(|name, b| {
-        let c = WorkspaceConfiguration { policy_learning: LearningPolicy::OverTime, cycles_before_initialization: 3, ..cfg() };
+        let c = WorkspaceConfiguration {
+            policy_learning: LearningPolicy::OverTime,
+            cycles_before_initialization: 3,
+            ..cfg()
+        };
         let mut w = ws(b, c);
         let run = |w: &mut Workspace, size: usize| {
             w.enter().unwrap();
@@ -306,11 +311,17 @@ fn over_time_learns_for_its_cycles_then_keeps_adapting() {
 #[test]
 fn allocation_policies_size_the_arena() {
     for_each_backend(|name, b| {
-        let strict = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, policy_allocation: AllocationPolicy::Strict, ..cfg() });
+        let strict = ws(
+            b,
+            WorkspaceConfiguration { initial_size: 1 << 20, policy_allocation: AllocationPolicy::Strict, ..cfg() },
+        );
         assert_eq!(strict.stats().capacity_bytes, 1 << 20, "{name}");
         let over = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, overallocation_limit: 0.5, ..cfg() });
         assert_eq!(over.stats().capacity_bytes, 3 << 19, "{name}");
-        let mut always = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, policy_allocation: AllocationPolicy::Always, ..cfg() });
+        let mut always = ws(
+            b,
+            WorkspaceConfiguration { initial_size: 1 << 20, policy_allocation: AllocationPolicy::Always, ..cfg() },
+        );
         assert_eq!(always.stats().capacity_bytes, 0, "{name}");
         always.enter().unwrap();
         let p = always.alloc(1000).unwrap();
@@ -318,7 +329,8 @@ fn allocation_policies_size_the_arena() {
         // SAFETY: live, freed once.
         unsafe { always.free(p) };
         always.exit().unwrap();
-        let minmax = ws(b, WorkspaceConfiguration { initial_size: 1000, min_size: 1 << 20, max_size: 2 << 20, ..cfg() });
+        let minmax =
+            ws(b, WorkspaceConfiguration { initial_size: 1000, min_size: 1 << 20, max_size: 2 << 20, ..cfg() });
         assert_eq!(minmax.stats().capacity_bytes, 1 << 20, "{name}: min_size wins over a small initial size");
     });
 }
@@ -386,7 +398,8 @@ fn realloc_keeps_contents_in_place_or_moved() {
 #[test]
 fn a_refusing_backend_is_an_error_not_a_panic() {
     let limited: Arc<dyn Backend> = Arc::new(LimitAdaptor::new(Arc::new(AnonymousMemory), 1 << 20));
-    let err = Workspace::with_backend("L", WorkspaceConfiguration { initial_size: 4 << 20, ..cfg() }, limited.clone()).unwrap_err();
+    let err = Workspace::with_backend("L", WorkspaceConfiguration { initial_size: 4 << 20, ..cfg() }, limited.clone())
+        .unwrap_err();
     assert!(matches!(err, Error::SystemOutOfMemory { .. }), "{err:?}");
     let mut w = Workspace::with_backend("L", cfg(), limited).unwrap();
     w.enter().unwrap();
@@ -401,7 +414,11 @@ fn a_refusing_backend_is_an_error_not_a_panic() {
 
 #[test]
 fn debug_spill_everything_spills_every_allocation() {
-    let mut w = Workspace::new("D", WorkspaceConfiguration { initial_size: 1 << 20, debug_mode: DebugMode::SpillEverything, ..cfg() }).unwrap();
+    let mut w = Workspace::new(
+        "D",
+        WorkspaceConfiguration { initial_size: 1 << 20, debug_mode: DebugMode::SpillEverything, ..cfg() },
+    )
+    .unwrap();
     if w.debug_mode() != DebugMode::SpillEverything {
         return; // RUSTWS_DEBUG_MODE overrides the configuration in this environment.
     }
@@ -417,7 +434,9 @@ fn debug_spill_everything_spills_every_allocation() {
 
 #[test]
 fn frees_from_another_thread_through_a_lock() {
-    let w = Arc::new(std::sync::Mutex::new(Workspace::new("X", WorkspaceConfiguration { initial_size: 1 << 20, ..cfg() }).unwrap()));
+    let w = Arc::new(std::sync::Mutex::new(
+        Workspace::new("X", WorkspaceConfiguration { initial_size: 1 << 20, ..cfg() }).unwrap(),
+    ));
     let ptrs: Vec<usize> = {
         let mut g = w.lock().unwrap();
         g.enter().unwrap();

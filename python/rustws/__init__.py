@@ -1,0 +1,87 @@
+"""rustws: workspaces for Python loops.
+
+A workspace learns how much memory one cycle of a loop needs, then serves every later cycle from
+one pre-faulted arena. Inside ``with rustws.workspace(...)`` every NumPy allocation of the thread
+comes from the workspace (NEP 49 capture). Memory is never handed out again while an array still
+references it.
+"""
+
+from __future__ import annotations
+
+from . import _rustws
+from ._config import (
+    AllocationPolicy,
+    ArrayType,
+    DebugMode,
+    LearningPolicy,
+    LocationPolicy,
+    MirroringPolicy,
+    ResetPolicy,
+    SpillPolicy,
+    WorkspaceConfiguration,
+    WorkspaceConfigurationBuilder,
+    WorkspaceMode,
+    WorkspaceStats,
+)
+from ._errors import (
+    DeviceUnavailableError,
+    DisposedArrayError,
+    LeakedArrayError,
+    NoSuchWorkspaceError,
+    ScopeError,
+    WorkspaceClosedError,
+    WorkspaceError,
+    WorkspaceOutOfMemory,
+)
+from ._workspace import (
+    Workspace,
+    current_workspace,
+    destroy_all_workspaces_for_current_thread,
+    detach,
+    get_and_activate_workspace,
+    get_workspace,
+    leverage_to,
+    owner,
+    print_allocation_statistics,
+    scope_out_of_workspaces,
+    workspace,
+    workspaces,
+)
+
+__version__: str = _rustws.__version__
+
+__all__ = [
+    "AllocationPolicy",
+    "ArrayType",
+    "DebugMode",
+    "DeviceUnavailableError",
+    "DisposedArrayError",
+    "LearningPolicy",
+    "LeakedArrayError",
+    "LocationPolicy",
+    "MirroringPolicy",
+    "NoSuchWorkspaceError",
+    "ResetPolicy",
+    "ScopeError",
+    "SpillPolicy",
+    "Workspace",
+    "WorkspaceClosedError",
+    "WorkspaceConfiguration",
+    "WorkspaceConfigurationBuilder",
+    "WorkspaceError",
+    "WorkspaceMode",
+    "WorkspaceOutOfMemory",
+    "WorkspaceStats",
+    "__version__",
+    "current_workspace",
+    "destroy_all_workspaces_for_current_thread",
+    "detach",
+    "get_and_activate_workspace",
+    "get_workspace",
+    "leverage_to",
+    "owner",
+    "print_allocation_statistics",
+    "scope_out_of_workspaces",
+    "workspace",
+    "workspaces",
+]

@@ -1,0 +1,282 @@
+"""Policies, the immutable ``WorkspaceConfiguration`` with its fluent builder, and ``WorkspaceStats``.
+
+Sizes are normalised to int bytes and policies to enum members here; every value and combination is
+then validated by the Rust core, so the rules live in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from typing import Any, ClassVar
+
+from . import _rustws
+
+__all__ = [
+    "AllocationPolicy",
+    "ArrayType",
+    "DebugMode",
+    "LearningPolicy",
+    "LocationPolicy",
+    "MirroringPolicy",
+    "ResetPolicy",
+    "SpillPolicy",
+    "WorkspaceConfiguration",
+    "WorkspaceConfigurationBuilder",
+    "WorkspaceMode",
+    "WorkspaceStats",
+]
+
+
+class _Policy(enum.Enum):
+    """Members compare by identity; ``.value`` is the canonical name the core understands."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+    @classmethod
+    def coerce(cls, value: Any, field: str) -> Any:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                names = ", ".join(cls.__members__)
+                raise ValueError(f"invalid {field}: {value!r} is not a {cls.__name__} ({names})") from None
+        raise TypeError(f"{field} must be a {cls.__name__}, got {type(value).__name__}")
+
+
+class AllocationPolicy(_Policy):
+    STRICT = "STRICT"
+    OVERALLOCATE = "OVERALLOCATE"
+    ALWAYS = "ALWAYS"
+
+
+class LearningPolicy(_Policy):
+    NONE = "NONE"
+    FIRST_LOOP = "FIRST_LOOP"
+    OPTIMIZED = "FIRST_LOOP"
+    OVER_TIME = "OVER_TIME"
+    TRAINING = "OVER_TIME"
+
+
+class SpillPolicy(_Policy):
+    FAIL = "FAIL"
+    REALLOCATE = "REALLOCATE"
+    EXTERNAL = "EXTERNAL"
+
+
+class ResetPolicy(_Policy):
+    BLOCK_LEFT = "BLOCK_LEFT"
+    ENDOFBUFFER_REACHED = "ENDOFBUFFER_REACHED"
+
+
+class MirroringPolicy(_Policy):
+    FULL = "FULL"
+    ENABLED = "FULL"
+    DISABLED = "DISABLED"
+    HOST_ONLY = "HOST_ONLY"
+
+
+class LocationPolicy(_Policy):
+    RAM = "RAM"
+    MMAP = "MMAP"
+
+
+class DebugMode(_Policy):
+    DISABLED = "DISABLED"
+    SPILL_EVERYTHING = "SPILL_EVERYTHING"
+    BYPASS_EVERYTHING = "BYPASS_EVERYTHING"
+
+
+class WorkspaceMode(_Policy):
+    ENABLED = "ENABLED"
+    NONE = "NONE"
+    SINGLE = "ENABLED"
+    SEPARATE = "ENABLED"
+
+
+class ArrayType(_Policy):
+    INPUT = "INPUT"
+    ACTIVATIONS = "ACTIVATIONS"
+    ACTIVATION_GRAD = "ACTIVATION_GRAD"
+    FF_WORKING_MEM = "FF_WORKING_MEM"
+    BP_WORKING_MEM = "BP_WORKING_MEM"
+    RNN_FF_LOOP_WORKING_MEM = "RNN_FF_LOOP_WORKING_MEM"
+    RNN_BP_LOOP_WORKING_MEM = "RNN_BP_LOOP_WORKING_MEM"
+    UPDATER_WORKING_MEM = "UPDATER_WORKING_MEM"
+    FF_CACHE = "FF_CACHE"
+
+
+_SIZE_FIELDS = ("initial_size", "min_size", "max_size", "temp_block_size", "helper_min_size")
+_POLICY_FIELDS: dict[str, type[_Policy]] = {
+    "policy_allocation": AllocationPolicy,
+    "policy_learning": LearningPolicy,
+    "policy_spill": SpillPolicy,
+    "policy_reset": ResetPolicy,
+    "policy_mirroring": MirroringPolicy,
+    "policy_location": LocationPolicy,
+    "debug_mode": DebugMode,
+}
+
+
+def _size(value: Any, field: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{field} must be an int or a size string, got bool")
+    if isinstance(value, str):
+        try:
+            return _rustws.parse_size(value)
+        except ValueError as e:
+            raise ValueError(f"invalid {field}: {e}") from None
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            raise ValueError(f"invalid {field}: must be a finite number of bytes, got {value}")
+        if not value.is_integer():
+            raise ValueError(f"invalid {field}: must be a whole number of bytes, got {value}")
+        value = int(value)
+    try:
+        n = int(value.__index__()) if not isinstance(value, int) else value
+    except (AttributeError, TypeError):
+        raise TypeError(f"{field} must be an int or a size string, got {type(value).__name__}") from None
+    if n < 0:
+        raise ValueError(f"invalid {field}: must be >= 0, got {n}")
+    return n
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class WorkspaceConfiguration:
+    """Every knob of a workspace. Immutable, hashable, equal by value.
+
+    Sizes are int bytes or strings with units (``"512KiB"``, ``"64MiB"``, ``"1GB"``); ``max_size=0``
+    means no limit. Invalid values or combinations raise ``ValueError`` naming the field.
+    """
+
+    initial_size: int = 0
+    min_size: int = 0
+    max_size: int = 0
+    overallocation_limit: float = 0.3
+    cycles_before_initialization: int = 0
+    policy_allocation: AllocationPolicy = AllocationPolicy.OVERALLOCATE
+    policy_learning: LearningPolicy = LearningPolicy.FIRST_LOOP
+    policy_spill: SpillPolicy = SpillPolicy.EXTERNAL
+    policy_reset: ResetPolicy = ResetPolicy.BLOCK_LEFT
+    policy_mirroring: MirroringPolicy = MirroringPolicy.FULL
+    policy_location: LocationPolicy = LocationPolicy.RAM
+    temp_file_path: str | None = None
+    temp_block_size: int = 0
+    helper_min_size: int = 0
+    helper_allow_fallback: bool = True
+    use_cycle_detector: bool = False
+    debug_mode: DebugMode = DebugMode.DISABLED
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        for f in _SIZE_FIELDS:
+            put(self, f, _size(getattr(self, f), f))
+        for f, cls in _POLICY_FIELDS.items():
+            put(self, f, cls.coerce(getattr(self, f), f))
+        ol = self.overallocation_limit
+        if isinstance(ol, bool) or not isinstance(ol, (int, float)):
+            raise TypeError(f"overallocation_limit must be a number, got {type(ol).__name__}")
+        put(self, "overallocation_limit", float(ol))
+        cbi = self.cycles_before_initialization
+        if isinstance(cbi, bool) or not isinstance(cbi, int):
+            raise TypeError(f"cycles_before_initialization must be an int, got {type(cbi).__name__}")
+        for f in ("helper_allow_fallback", "use_cycle_detector"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"{f} must be a bool, got {type(getattr(self, f)).__name__}")
+        p = self.temp_file_path
+        if p is not None:
+            if not isinstance(p, (str, os.PathLike)):
+                raise TypeError(f"temp_file_path must be a str or os.PathLike, got {type(p).__name__}")
+            put(self, "temp_file_path", os.fspath(p))
+        _rustws.validate_config(self._core_dict())
+
+    def _core_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for f in _POLICY_FIELDS:
+            d[f] = d[f].value
+        return d
+
+    def __repr__(self) -> str:
+        parts = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+        return f"WorkspaceConfiguration({', '.join(parts)})"
+
+    def replace(self, **changes: Any) -> WorkspaceConfiguration:
+        """A copy with some fields changed (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values: ints, floats, bools, policy names, the path or None."""
+        return self._core_dict()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkspaceConfiguration:
+        if not isinstance(d, dict):
+            raise TypeError(f"from_dict expects a dict, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise TypeError(f"unknown configuration field(s): {', '.join(map(repr, unknown))}")
+        return cls(**d)
+
+    @classmethod
+    def builder(cls) -> WorkspaceConfigurationBuilder:
+        """A fluent builder: one chainable method per field, then ``.build()``."""
+        return WorkspaceConfigurationBuilder()
+
+
+class WorkspaceConfigurationBuilder:
+    """``WorkspaceConfiguration.builder().initial_size("64MiB").policy_spill(SpillPolicy.REALLOCATE).build()``"""
+
+    _fields: ClassVar[frozenset[str]] = frozenset(f.name for f in dataclasses.fields(WorkspaceConfiguration))
+
+    def __init__(self) -> None:
+        self._values: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name not in self._fields:
+            raise AttributeError(f"WorkspaceConfigurationBuilder has no setting {name!r}")
+
+        def setter(value: Any) -> WorkspaceConfigurationBuilder:
+            self._values[name] = value
+            return self
+
+        setter.__name__ = name
+        return setter
+
+    def __dir__(self) -> list[str]:
+        return sorted(self._fields | {"build"})
+
+    def build(self) -> WorkspaceConfiguration:
+        return WorkspaceConfiguration(**self._values)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspaceStats:
+    """A snapshot of one workspace's memory, in bytes and counts.
+
+    ``capacity_bytes == used_bytes + cached_bytes + overhead_bytes`` always holds.
+    """
+
+    cycles: int
+    capacity_bytes: int
+    used_bytes: int
+    peak_cycle_bytes: int
+    cached_bytes: int
+    external_bytes: int
+    pinned_bytes: int
+    overhead_bytes: int
+    allocation_count: int
+    spill_count: int
+    failed_allocations: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)

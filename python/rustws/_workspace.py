@@ -1,0 +1,384 @@
+"""Workspaces as Python sees them: the per-thread registry, the per-context scope stack, capture of
+NumPy allocations through the workspace's memory handler, and the module-level helpers of the
+contract (``workspace``, ``detach``, ``leverage_to``, ``owner`` ...).
+
+The scope stack lives in a ``ContextVar``, like NumPy's current memory handler, so that threads and
+asyncio tasks each see their own innermost workspace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import os
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import numpy as np
+
+from . import _rustws
+from ._config import WorkspaceConfiguration, WorkspaceStats
+from ._errors import LeakedArrayError, NoSuchWorkspaceError, ScopeError
+
+try:  # NumPy 2
+    from numpy._core.multiarray import get_handler_name as _get_handler_name
+except ImportError:  # pragma: no cover - NumPy 1.x
+    from numpy.core.multiarray import get_handler_name as _get_handler_name
+
+__all__ = [
+    "Workspace",
+    "current_workspace",
+    "destroy_all_workspaces_for_current_thread",
+    "detach",
+    "get_and_activate_workspace",
+    "get_workspace",
+    "leverage_to",
+    "owner",
+    "print_allocation_statistics",
+    "scope_out_of_workspaces",
+    "workspace",
+    "workspaces",
+]
+
+logger = logging.getLogger("rustws")
+
+_UNCHANGED = object()
+
+
+@dataclass(slots=True)
+class _Scope:
+    workspace: Workspace | None  # None: out of workspaces
+    thread: int
+    previous_handler: Any  # handler to restore at exit, or _UNCHANGED
+    opened_cycle: bool
+
+
+_SCOPES: contextvars.ContextVar[tuple[_Scope, ...]] = contextvars.ContextVar("rustws_scopes", default=())
+_local = threading.local()
+_BY_ID: weakref.WeakValueDictionary[int, Workspace] = weakref.WeakValueDictionary()
+
+
+def _registry() -> dict[str, Workspace]:
+    reg = getattr(_local, "workspaces", None)
+    if reg is None:
+        reg = _local.workspaces = {}
+    return reg
+
+
+def _push(ws: Workspace | None, handler: Any, opened_cycle: bool) -> None:
+    previous = _UNCHANGED if handler is _UNCHANGED else _rustws.set_handler(handler)
+    _SCOPES.set((*_SCOPES.get(), _Scope(ws, threading.get_ident(), previous, opened_cycle)))
+
+
+def _pop(ws: Workspace | None, what: str) -> _Scope:
+    stack = _SCOPES.get()
+    if not stack or stack[-1].workspace is not ws:
+        if ws is not None and ws._open_threads and threading.get_ident() not in ws._open_threads:
+            raise ScopeError(f"{what} exited from another thread than the one that entered it")
+        inner = "none" if not stack else _describe(stack[-1].workspace)
+        raise ScopeError(f"{what} is not the innermost scope (the innermost is {inner})")
+    scope = stack[-1]
+    _SCOPES.set(stack[:-1])
+    if scope.previous_handler is not _UNCHANGED:
+        _rustws.set_handler(scope.previous_handler)
+    return scope
+
+
+def _describe(ws: Workspace | None) -> str:
+    return "scope_out_of_workspaces()" if ws is None else f"workspace {ws.name!r}"
+
+
+class Workspace(_rustws.WorkspaceCore):
+    """A named workspace of one thread. Each ``with ws:`` is one cycle; nested ``with`` blocks of
+    the same workspace nest without a reset. Get one with ``rustws.workspace(name, config)``."""
+
+    config: WorkspaceConfiguration
+    device: str
+    capture: bool
+
+    def _setup(self, config: WorkspaceConfiguration, device: str, capture: bool) -> None:
+        self.config = config
+        self.device = device
+        self.capture = capture
+        self._bypass = self.debug_mode_name == "BYPASS_EVERYTHING"
+        self._open_threads: list[int] = []
+        self._registry: dict[str, Workspace] | None = None
+
+    # -- cycles -------------------------------------------------------------------------------
+    def __enter__(self) -> Workspace:
+        self._enter()
+        try:
+            self._push_scope(opened_cycle=True)
+        except BaseException:
+            self._exit()
+            raise
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._pop_scope()
+        if self.is_destroyed:
+            return
+        completed, escaped_blocks, escaped_bytes = self._exit()
+        failures = self._drain_failures()
+        for message in failures:
+            logger.warning("%s", message)
+        if completed and escaped_blocks and self.config.use_cycle_detector and exc_type is None:
+            self._report_escapes(escaped_blocks, escaped_bytes)
+
+    def _push_scope(self, opened_cycle: bool) -> None:
+        handler = self.handler if (self.capture and not self._bypass) else _UNCHANGED
+        _push(self, handler, opened_cycle)
+        self._open_threads.append(threading.get_ident())
+
+    def _pop_scope(self) -> None:
+        _pop(self, f"workspace {self.name!r}")
+        self._open_threads.remove(threading.get_ident())
+
+    def _report_escapes(self, blocks: int, nbytes: int) -> None:
+        message = (
+            f"workspace {self.name!r}: {blocks} array(s) ({nbytes} bytes) outlived cycle "
+            f"{self.generation - 1}; their memory stays pinned until they are freed"
+        )
+        if os.environ.get("RUSTWS_STRICT") == "1":
+            raise LeakedArrayError(message)
+        warnings.warn(message, ResourceWarning, stacklevel=3)
+
+    @contextlib.contextmanager
+    def borrow(self) -> Iterator[Workspace]:
+        """Makes this workspace current (and capturing) without opening a new cycle."""
+        if self.is_destroyed:
+            self._enter()  # raises WorkspaceClosedError
+        self._push_scope(opened_cycle=False)
+        try:
+            yield self
+        finally:
+            self._pop_scope()
+
+    # -- allocation ---------------------------------------------------------------------------
+    def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> np.ndarray:
+        """A new array over workspace memory filled with ``fill_value``."""
+        if dtype is None:
+            dtype = np.array(fill_value).dtype
+        a = self.empty(shape, dtype, order)
+        a.fill(fill_value)
+        return a
+
+    def empty_like(self, a: Any, dtype: Any = None) -> np.ndarray:
+        a = np.asarray(a)
+        order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+        return self.empty(a.shape, a.dtype if dtype is None else dtype, order)
+
+    def zeros_like(self, a: Any, dtype: Any = None) -> np.ndarray:
+        a = np.asarray(a)
+        order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+        return self.zeros(a.shape, a.dtype if dtype is None else dtype, order)
+
+    # -- state --------------------------------------------------------------------------------
+    def stats(self) -> WorkspaceStats:
+        return WorkspaceStats(*self._stats())
+
+    def destroy(self) -> None:
+        """Releases the workspace. Memory under live arrays is kept until the last one dies. Idempotent."""
+        if self.is_destroyed:
+            return
+        self._destroy()
+        reg = self._registry
+        if reg is not None and reg.get(self.name) is self:
+            del reg[self.name]
+        _BY_ID.pop(self.id, None)
+
+    close = destroy
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"workspace name must be a str, got {type(name).__name__}")
+    if not name:
+        raise ValueError("workspace name must not be empty")
+    return name
+
+
+def _check_config(config: Any) -> WorkspaceConfiguration | None:
+    if config is None or isinstance(config, WorkspaceConfiguration):
+        return config
+    if isinstance(config, dict):
+        return WorkspaceConfiguration.from_dict(config)
+    raise TypeError(f"config must be a WorkspaceConfiguration, a dict or None, got {type(config).__name__}")
+
+
+def _check_device(device: Any) -> str:
+    from ._errors import DeviceUnavailableError
+
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {type(device).__name__}")
+    d = device.strip().lower()
+    if d == "cpu":
+        return "cpu"
+    if d == "cuda" or d.startswith("cuda:"):
+        ordinal = d[5:] or "0"
+        if not ordinal.isdigit():
+            raise ValueError(f"invalid device {device!r}: the ordinal must be a non-negative int")
+        raise DeviceUnavailableError(
+            f"device {device!r}: this build of rustws serves host workspaces only (no CUDA backend)"
+        )
+    raise ValueError(f"invalid device {device!r}: expected 'cpu' or 'cuda:N'")
+
+
+def workspace(
+    name: str = "DEFAULT",
+    config: WorkspaceConfiguration | None = None,
+    *,
+    device: str = "cpu",
+    capture: bool = True,
+) -> Workspace:
+    """The calling thread's workspace ``name``, created on first use; every ``with`` is one cycle.
+
+    Asking again with a different configuration replaces a closed workspace (an open one raises
+    ``ValueError``).
+    """
+    name = _check_name(name)
+    cfg = _check_config(config)
+    dev = _check_device(device)
+    if not isinstance(capture, bool):
+        raise TypeError(f"capture must be a bool, got {type(capture).__name__}")
+    reg = _registry()
+    ws = reg.get(name)
+    if ws is not None and not ws.is_destroyed:
+        if (cfg is None or cfg == ws.config) and dev == ws.device:
+            ws.capture = capture
+            return ws
+        if ws.is_open:
+            raise ValueError(
+                f"workspace {name!r} is open with a different configuration or device; "
+                "close it before asking for another"
+            )
+        ws.destroy()
+    cfg = cfg if cfg is not None else WorkspaceConfiguration()
+    ws = Workspace(name, cfg._core_dict())
+    ws._setup(cfg, dev, capture)
+    ws._registry = reg
+    reg[name] = ws
+    _BY_ID[ws.id] = ws
+    return ws
+
+
+def get_and_activate_workspace(config: WorkspaceConfiguration | None = None, name: str = "DEFAULT") -> Workspace:
+    """ND4J's spelling of ``workspace(name, config)``."""
+    return workspace(name, config)
+
+
+def get_workspace(name: str) -> Workspace | None:
+    """This thread's workspace ``name``, or None."""
+    ws = _registry().get(_check_name(name))
+    return ws if ws is not None and not ws.is_destroyed else None
+
+
+def current_workspace() -> Workspace | None:
+    """The innermost workspace of this thread or task (None inside ``scope_out_of_workspaces``)."""
+    stack = _SCOPES.get()
+    return stack[-1].workspace if stack else None
+
+
+def workspaces() -> list[Workspace]:
+    """This thread's workspaces."""
+    return [ws for ws in _registry().values() if not ws.is_destroyed]
+
+
+@contextlib.contextmanager
+def scope_out_of_workspaces() -> Iterator[None]:
+    """Inside, no workspace is current and NumPy allocates with its default allocator."""
+    _push(None, None, opened_cycle=False)
+    try:
+        yield
+    finally:
+        _pop(None, "scope_out_of_workspaces()")
+
+
+def destroy_all_workspaces_for_current_thread() -> None:
+    for ws in list(_registry().values()):
+        ws.destroy()
+
+
+def detach(a: Any) -> np.ndarray:
+    """An independent copy of ``a`` in ordinary memory (also inside a capturing cycle)."""
+    previous = _rustws.set_handler(None)
+    try:
+        return np.array(a, copy=True, subok=True)
+    finally:
+        _rustws.set_handler(previous)
+
+
+def leverage_to(name: str, a: Any, *, enforce_existence: bool = False) -> Any:
+    """A copy of ``a`` in the open workspace ``name``; ``a`` itself when there is none (or
+    ``NoSuchWorkspaceError`` when ``enforce_existence``)."""
+    target = get_workspace(name)
+    if target is None or not target.is_open:
+        if enforce_existence:
+            raise NoSuchWorkspaceError(f"no open workspace {name!r} on this thread")
+        return a
+    arr = np.asarray(a)
+    out = target.empty_like(arr)
+    np.copyto(out, arr, casting="no")
+    return out
+
+
+def owner(a: Any) -> Workspace | None:
+    """The workspace whose memory holds ``a`` (following ``.base``), else None."""
+    base = a
+    while isinstance(base, np.ndarray) and not base.flags.owndata and base.base is not None:
+        base = base.base
+    if not isinstance(base, np.ndarray) or not base.flags.owndata:
+        return None
+    name = _get_handler_name(base)
+    if not name or not name.startswith("rustws:"):
+        return None
+    try:
+        ident = int(name.split(":", 2)[1])
+    except (IndexError, ValueError):
+        return None
+    return _BY_ID.get(ident)
+
+
+def _fmt_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def print_allocation_statistics(file: TextIO | None = None) -> None:
+    """Prints a table of this thread's workspaces."""
+    out = file if file is not None else sys.stdout
+    cols = ("name", "cycles", "capacity", "used", "peak/cycle", "cached", "external", "pinned", "allocs", "spills")
+    rows = []
+    for ws in workspaces():
+        s = ws.stats()
+        rows.append(
+            (
+                ws.name,
+                str(s.cycles),
+                _fmt_bytes(s.capacity_bytes),
+                _fmt_bytes(s.used_bytes),
+                _fmt_bytes(s.peak_cycle_bytes),
+                _fmt_bytes(s.cached_bytes),
+                _fmt_bytes(s.external_bytes),
+                _fmt_bytes(s.pinned_bytes),
+                str(s.allocation_count),
+                str(s.spill_count),
+            )
+        )
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)), file=out)
+    if not rows:
+        print("(no workspaces on this thread)", file=out)
