@@ -19,7 +19,10 @@ class WorkspaceError(Exception):
 
 
 class WorkspaceOutOfMemory(WorkspaceError, MemoryError):
-    """A request the workspace cannot serve; names the workspace, the request, the bytes in use and the limit."""
+    """A request the workspace cannot serve.
+
+    The message names the workspace, the request, the bytes in use and the limit.
+    """
 
 
 class WorkspaceClosedError(WorkspaceError):

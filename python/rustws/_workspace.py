@@ -268,7 +268,9 @@ def workspace(
     return ws
 
 
-def get_and_activate_workspace(config: WorkspaceConfiguration | None = None, name: str = "DEFAULT") -> Workspace:
+def get_and_activate_workspace(
+    config: WorkspaceConfiguration | None = None, name: str = "DEFAULT"
+) -> Workspace:
     """ND4J's spelling of ``workspace(name, config)``."""
     return workspace(name, config)
 
@@ -357,7 +359,18 @@ def _fmt_bytes(n: int) -> str:
 def print_allocation_statistics(file: TextIO | None = None) -> None:
     """Prints a table of this thread's workspaces."""
     out = file if file is not None else sys.stdout
-    cols = ("name", "cycles", "capacity", "used", "peak/cycle", "cached", "external", "pinned", "allocs", "spills")
+    cols = (
+        "name",
+        "cycles",
+        "capacity",
+        "used",
+        "peak/cycle",
+        "cached",
+        "external",
+        "pinned",
+        "allocs",
+        "spills",
+    )
     rows = []
     for ws in workspaces():
         s = ws.stats()

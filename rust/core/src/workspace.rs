@@ -394,7 +394,8 @@ impl Workspace {
         if self.debug == DebugMode::BypassEverything || (size as u64) < self.config.helper_min_size {
             return self.alloc_block(BlockKind::Bypass, size, slot);
         }
-        let spill = self.initialized && self.config.policy_allocation != AllocationPolicy::Always;
+        let spill = (self.initialized && self.config.policy_allocation != AllocationPolicy::Always)
+            || self.debug == DebugMode::SpillEverything;
         if spill && self.debug == DebugMode::Disabled && self.config.policy_spill == SpillPolicy::Fail {
             self.failed_allocations += 1;
             return Err(self.out_of_memory(size, "the arena is full and the spill policy is FAIL"));

@@ -306,26 +306,35 @@ struct ArrayFields {
 }
 
 const NPY_ARRAY_OWNDATA: std::ffi::c_int = 0x0004;
+const NPY_ARRAY_C_CONTIGUOUS: std::ffi::c_int = 0x0001;
 const NPY_ARRAY_F_CONTIGUOUS: std::ffi::c_int = 0x0002;
+const NPY_ARRAY_ALIGNED: std::ffi::c_int = 0x0100;
+const NPY_ARRAY_WRITEABLE: std::ffi::c_int = 0x0400;
 
 /// Whether arrays can be built over workspace memory directly: NumPy must keep the handler of an
-/// array where `ArrayFields` says. Checked once on an array made through a workspace handler.
-fn direct_arrays_supported(py: Python<'_>, capsule: &Bound<'_, PyAny>) -> bool {
+/// array where `ArrayFields` says. Checked once, on an array NumPy allocates with its default
+/// handler.
+fn direct_arrays_supported(py: Python<'_>) -> bool {
     static SUPPORTED: pyo3::sync::PyOnceLock<bool> = pyo3::sync::PyOnceLock::new();
     *SUPPORTED.get_or_init(py, || {
         let probe = || -> PyResult<bool> {
-            let previous = handler::set_handler(py, Some(capsule))?;
+            let previous = handler::set_handler(py, None)?;
+            let default = handler::get_handler(py);
             let mut dims = [4 as npy_intp];
             // SAFETY: one dimension in `dims`; the descriptor reference is stolen.
             let raw = unsafe {
                 PY_ARRAY_API.PyArray_Empty(py, 1, dims.as_mut_ptr(), numpy::dtype::<f64>(py).into_ptr().cast(), 0)
             };
             handler::set_handler(py, Some(&previous))?;
+            let default = default?;
             // SAFETY: a new reference or NULL with an exception set.
             let arr = unsafe { Bound::from_owned_ptr_or_err(py, raw) }?;
             // SAFETY: `arr` is a live ndarray; we only read fields NumPy >= 1.22 defines.
             let f = unsafe { &*(arr.as_ptr() as *const ArrayFields) };
-            Ok(f.mem_handler == capsule.as_ptr() && f.flags & NPY_ARRAY_OWNDATA != 0 && f.nd == 1)
+            Ok(f.mem_handler == default.as_ptr()
+                && f.flags & NPY_ARRAY_OWNDATA != 0
+                && f.flags & NPY_ARRAY_WRITEABLE != 0
+                && f.nd == 1)
         };
         probe().unwrap_or(false)
     })
@@ -351,7 +360,7 @@ impl WorkspaceCore {
             return Err(to_py(py, Error::Destroyed { workspace: self.shared.name.clone() }));
         }
         let capsule = self.capsule.bind(py);
-        if !self.bypass && descr.itemsize() > 0 && direct_arrays_supported(py, capsule) {
+        if !self.bypass && descr.itemsize() > 0 && direct_arrays_supported(py) {
             return self.new_array_direct(py, &mut dims, descr, fortran, zeroed);
         }
         // Through NumPy's allocation path, with the right handler current.
@@ -432,7 +441,9 @@ impl WorkspaceCore {
                 dims.as_mut_ptr(),
                 std::ptr::null_mut(),
                 data.as_ptr().cast(),
-                if fortran != 0 { NPY_ARRAY_F_CONTIGUOUS } else { 0 },
+                NPY_ARRAY_WRITEABLE
+                    | NPY_ARRAY_ALIGNED
+                    | if fortran != 0 { NPY_ARRAY_F_CONTIGUOUS } else { NPY_ARRAY_C_CONTIGUOUS },
                 std::ptr::null_mut(),
             )
         };

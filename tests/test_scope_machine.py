@@ -1,0 +1,168 @@
+"""A hypothesis state machine over workspace scopes: nested enter / exit in any order the API
+allows, explicit and captured allocations filled with a pattern, escapes, views, detach, leverage
+and destroy. The invariant: every array still referenced holds its pattern (no memory is handed out
+twice), and exits out of order are refused without changing state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import rustws
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from rustws import ResetPolicy, SpillPolicy, WorkspaceConfiguration
+
+CONFIGS = {
+    "LEARN": WorkspaceConfiguration(),
+    "SMALL_FAIL": WorkspaceConfiguration(
+        initial_size="64KiB",
+        policy_learning="NONE",
+        policy_spill=SpillPolicy.FAIL,
+        policy_allocation="STRICT",
+    ),
+    "RING": WorkspaceConfiguration(
+        initial_size="128KiB", policy_learning="NONE", policy_reset=ResetPolicy.ENDOFBUFFER_REACHED
+    ),
+    "GROW": WorkspaceConfiguration(initial_size="16KiB", policy_learning="NONE", policy_spill="REALLOCATE"),
+}
+NAMES = sorted(CONFIGS)
+sizes = st.sampled_from([1, 7, 64, 1000, 4096, 20_000, 70_000])
+
+
+class ScopeMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[rustws.Workspace] = []
+        self.live: list[tuple[np.ndarray, int]] = []
+        self.counter = 0
+
+    def ws(self, name: str) -> rustws.Workspace:
+        return rustws.workspace(name, CONFIGS[name])
+
+    def pattern(self) -> int:
+        self.counter = (self.counter + 1) % 251
+        return self.counter
+
+    @rule(name=st.sampled_from(NAMES))
+    def enter(self, name):
+        if len(self.stack) >= 6:
+            return
+        ws = self.ws(name)
+        ws.__enter__()
+        self.stack.append(ws)
+
+    @precondition(lambda self: self.stack)
+    @rule()
+    def exit_innermost(self):
+        ws = self.stack.pop()
+        depth = ws.depth
+        ws.__exit__(None, None, None)  # a destroyed workspace's scope still unwinds
+        if not ws.is_destroyed:
+            assert ws.depth == depth - 1
+
+    @precondition(lambda self: len(self.stack) >= 2)
+    @rule(data=st.data())
+    def exit_out_of_order_is_refused(self, data):
+        i = data.draw(st.integers(0, len(self.stack) - 2))
+        ws = self.stack[i]
+        if ws is self.stack[-1]:
+            return
+        before = (ws.depth, ws.generation)
+        with pytest.raises(rustws.ScopeError):
+            ws.__exit__(None, None, None)
+        assert (ws.depth, ws.generation) == before
+
+    @precondition(lambda self: self.stack)
+    @rule(n=sizes)
+    def allocate_explicit(self, n):
+        ws = self.stack[-1]
+        p = self.pattern()
+        try:
+            a = ws.empty(n, np.uint8)
+        except rustws.WorkspaceOutOfMemory:
+            assert ws.config.policy_spill is SpillPolicy.FAIL
+            return
+        except rustws.WorkspaceClosedError:
+            assert ws.is_destroyed
+            return
+        a.fill(p)
+        if not ws.is_destroyed and ws.debug_mode_name == "DISABLED":
+            assert rustws.owner(a) is ws
+        self.live.append((a, p))
+
+    @rule(n=sizes)
+    def allocate_captured(self, n):
+        p = self.pattern()
+        try:
+            a = np.full(n, p, np.uint8) + np.uint8(0)
+        except MemoryError:
+            return
+        self.live.append((a, p))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def drop(self, data):
+        self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def keep_a_view(self, data):
+        a, p = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
+        self.live.append((a[len(a) // 2 :], p))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def detach(self, data):
+        a, p = self.live[data.draw(st.integers(0, len(self.live) - 1))]
+        d = rustws.detach(a)
+        assert rustws.owner(d) is None
+        self.live.append((d, p))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), name=st.sampled_from(NAMES))
+    def leverage(self, data, name):
+        a, p = self.live[data.draw(st.integers(0, len(self.live) - 1))]
+        try:
+            moved = rustws.leverage_to(name, a)
+        except rustws.WorkspaceOutOfMemory:
+            return
+        ws = rustws.get_workspace(name)
+        if ws is not None and ws.is_open and ws.debug_mode_name == "DISABLED":
+            assert rustws.owner(moved) is ws
+        else:
+            assert moved is a
+        self.live.append((moved, p))
+
+    @rule(name=st.sampled_from(NAMES))
+    def destroy(self, name):
+        ws = rustws.get_workspace(name)
+        if ws is not None:
+            ws.destroy()
+
+    @invariant()
+    def every_live_array_keeps_its_pattern(self):
+        with rustws.scope_out_of_workspaces():
+            for a, p in self.live:
+                assert (a == p).all(), "an array's memory was handed out again"
+
+    @invariant()
+    def statistics_stay_consistent(self):
+        for ws in rustws.workspaces():
+            s = ws.stats()
+            assert s.capacity_bytes == s.used_bytes + s.cached_bytes + s.overhead_bytes
+
+    def teardown(self):
+        while self.stack:
+            self.exit_innermost()
+        for a, p in self.live:
+            assert (a == p).all()
+        assert rustws.current_workspace() is None
+        self.live.clear()
+        rustws.destroy_all_workspaces_for_current_thread()
+
+
+ScopeMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestScopes = ScopeMachine.TestCase
