@@ -1,1 +1,178 @@
-fn main() {}
+//! Allocation + free in the core against bumpalo and the system allocator, on the same program:
+//! 1000 allocations of sizes from 64 B to 4 MiB (log-uniform, fixed seed), all freed, then a cycle
+//! reset. Also: the cost of one allocation with 10 to 1,000,000 live (pinned) blocks in the
+//! workspace, and aggregate throughput of 1 and 2 threads each allocating in its own workspace.
+//! Throughput is reported per allocation (`Elements`). See `benches/README.md` for the figures.
+
+use std::alloc::{alloc, dealloc, Layout};
+use std::hint::black_box;
+use std::ptr::NonNull;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use rustws_core::{LearningPolicy, Workspace, WorkspaceConfiguration};
+
+const PER_CYCLE: usize = 1000;
+
+/// Log-uniform sizes from 64 B to 4 MiB, from a fixed xorshift sequence.
+fn sizes() -> Vec<usize> {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..PER_CYCLE)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let exp = 6.0 + (x % 10_000) as f64 / 10_000.0 * 16.0; // 2^6 .. 2^22
+            (2f64.powf(exp) as usize).clamp(64, 4 << 20)
+        })
+        .collect()
+}
+
+fn workspace_for(sizes: &[usize]) -> Workspace {
+    let need: usize = sizes.iter().map(|s| s.next_multiple_of(64) + 64).sum();
+    let config = WorkspaceConfiguration {
+        initial_size: need as u64,
+        policy_learning: LearningPolicy::None,
+        policy_allocation: rustws_core::AllocationPolicy::Strict,
+        ..Default::default()
+    };
+    Workspace::new("bench", config).expect("workspace")
+}
+
+fn program(c: &mut Criterion) {
+    let sizes = sizes();
+    let mut g = c.benchmark_group("alloc_free_cycle");
+    g.throughput(Throughput::Elements(PER_CYCLE as u64));
+    g.measurement_time(Duration::from_secs(4));
+
+    let mut ws = workspace_for(&sizes);
+    let mut ptrs: Vec<NonNull<u8>> = Vec::with_capacity(PER_CYCLE);
+    g.bench_function("rustws", |b| {
+        b.iter(|| {
+            ws.enter().unwrap();
+            for &s in &sizes {
+                ptrs.push(ws.alloc(black_box(s)).unwrap());
+            }
+            for p in ptrs.drain(..) {
+                // SAFETY: each pointer is live and freed once.
+                unsafe { ws.free(p) };
+            }
+            ws.exit().unwrap();
+        })
+    });
+    assert_eq!(ws.stats().spill_count, 0, "the benchmark must measure the arena, not spills");
+
+    let mut bump = bumpalo::Bump::new();
+    g.bench_function("bumpalo", |b| {
+        b.iter(|| {
+            for &s in &sizes {
+                black_box(bump.alloc_layout(Layout::from_size_align(black_box(s), 64).unwrap()));
+            }
+            bump.reset();
+        })
+    });
+
+    let mut raw: Vec<(*mut u8, Layout)> = Vec::with_capacity(PER_CYCLE);
+    g.bench_function("system", |b| {
+        b.iter(|| {
+            for &s in &sizes {
+                let l = Layout::from_size_align(black_box(s), 64).unwrap();
+                // SAFETY: non-zero size.
+                let p = unsafe { alloc(l) };
+                // Every allocator under test writes a header; the system allocator writes its own.
+                raw.push((black_box(p), l));
+            }
+            for (p, l) in raw.drain(..) {
+                // SAFETY: allocated just above with this layout.
+                unsafe { dealloc(p, l) };
+            }
+        })
+    });
+    g.finish();
+}
+
+/// One allocation + free with `live` blocks pinned in the same workspace.
+fn live_blocks(c: &mut Criterion) {
+    let mut g = c.benchmark_group("alloc_free_with_live_blocks");
+    g.throughput(Throughput::Elements(PER_CYCLE as u64));
+    g.measurement_time(Duration::from_secs(3));
+    for live in [10usize, 1_000, 100_000, 1_000_000] {
+        let config = WorkspaceConfiguration {
+            initial_size: (live as u64 + 2 * PER_CYCLE as u64) * 256,
+            policy_learning: LearningPolicy::None,
+            ..Default::default()
+        };
+        let mut ws = Workspace::new("live", config).unwrap();
+        ws.enter().unwrap();
+        let pinned: Vec<NonNull<u8>> = (0..live).map(|_| ws.alloc(64).unwrap()).collect();
+        ws.exit().unwrap();
+        let mut ptrs = Vec::with_capacity(PER_CYCLE);
+        g.bench_with_input(BenchmarkId::from_parameter(live), &live, |b, _| {
+            b.iter(|| {
+                ws.enter().unwrap();
+                for i in 0..PER_CYCLE {
+                    ptrs.push(ws.alloc(black_box(64 + (i % 8) * 64)).unwrap());
+                }
+                for p in ptrs.drain(..) {
+                    // SAFETY: live, freed once.
+                    unsafe { ws.free(p) };
+                }
+                ws.exit().unwrap();
+            })
+        });
+        assert_eq!(ws.stats().spill_count, 0);
+        for p in pinned {
+            // SAFETY: live, freed once.
+            unsafe { ws.free(p) };
+        }
+    }
+    g.finish();
+}
+
+/// Aggregate throughput of N threads, each with its own workspace.
+fn threads(c: &mut Criterion) {
+    let sizes: Vec<usize> = (0..PER_CYCLE).map(|i| 64 + (i % 64) * 64).collect();
+    let mut g = c.benchmark_group("threads_own_workspace");
+    g.measurement_time(Duration::from_secs(3));
+    for n in [1usize, 2] {
+        g.throughput(Throughput::Elements((n * PER_CYCLE) as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, &n| {
+            b.iter_custom(|iters| {
+                // Workspaces are made before the barrier; each thread times only its own loop,
+                // and the slowest thread's time is the group's.
+                let barrier = Barrier::new(n);
+                std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..n)
+                        .map(|_| {
+                            let (sizes, barrier) = (&sizes, &barrier);
+                            s.spawn(move || {
+                                let mut ws = workspace_for(sizes);
+                                let mut ptrs = Vec::with_capacity(PER_CYCLE);
+                                barrier.wait();
+                                let start = Instant::now();
+                                for _ in 0..iters {
+                                    ws.enter().unwrap();
+                                    for &sz in sizes {
+                                        ptrs.push(ws.alloc(black_box(sz)).unwrap());
+                                    }
+                                    for p in ptrs.drain(..) {
+                                        // SAFETY: live, freed once.
+                                        unsafe { ws.free(p) };
+                                    }
+                                    ws.exit().unwrap();
+                                }
+                                start.elapsed()
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).max().unwrap()
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, program, live_blocks, threads);
+criterion_main!(benches);

@@ -115,9 +115,11 @@ pub struct ArenaRegion {
     /// is `cursor` and `top` is only a lower bound.
     tail: bool,
     live_blocks: usize,
-    live_slot_bytes: usize,
     /// Bytes marked free since the last walk that found nothing: gates wrap-around walks.
     freed_since_scan: usize,
+    /// Every block in `[0, live_prefix)` is live: walks start here, so long-lived blocks at the
+    /// front of the region cost nothing per cycle. Lowered by any free below it.
+    live_prefix: usize,
 }
 
 // SAFETY: the region exclusively owns its mapping; the raw base pointer is only dereferenced
@@ -140,8 +142,8 @@ impl ArenaRegion {
             top: 0,
             tail: true,
             live_blocks: 0,
-            live_slot_bytes: 0,
             freed_since_scan: 0,
+            live_prefix: 0,
         })
     }
 
@@ -155,10 +157,6 @@ impl ArenaRegion {
 
     pub fn live_blocks(&self) -> usize {
         self.live_blocks
-    }
-
-    pub fn live_slot_bytes(&self) -> usize {
-        self.live_slot_bytes
     }
 
     /// Whether `p` points into this region.
@@ -224,7 +222,6 @@ impl ArenaRegion {
     #[inline]
     pub unsafe fn hand_out(&mut self, off: usize, slot: usize, requested: usize, generation: u64) -> NonNull<u8> {
         self.live_blocks += 1;
-        self.live_slot_bytes += slot;
         // SAFETY: `[off, off+slot)` was carved from a hole for the caller and is inside the
         // mapping; offsets are multiples of 64 from a 64-aligned base.
         unsafe { write_live_header(self.base.add(off), BlockKind::Arena, self.id, slot, requested, generation) }
@@ -260,9 +257,11 @@ impl ArenaRegion {
         let was_tail = self.tail;
         let resume = if was_tail { self.cursor } else { self.limit };
         self.close_hole();
-        let start = resume.min(self.top);
+        let start = resume.min(self.top).max(self.live_prefix);
         let mut pos = start;
         let mut wrapped = false;
+        // Whether every block from `live_prefix` to `pos` was live: the prefix then grows.
+        let mut extending = pos == self.live_prefix;
         loop {
             if wrapped && pos >= start {
                 break;
@@ -278,7 +277,8 @@ impl ArenaRegion {
                     break;
                 }
                 wrapped = true;
-                pos = 0;
+                pos = self.live_prefix;
+                extending = true;
                 continue;
             }
             let h = self.header_at(pos);
@@ -287,8 +287,12 @@ impl ArenaRegion {
             }
             if h.is_live() {
                 pos += h.slot;
+                if extending {
+                    self.live_prefix = pos;
+                }
                 continue;
             }
+            extending = false;
             let run_start = pos;
             while pos < self.top && !self.header_at(pos).is_live() {
                 let h = self.header_at(pos);
@@ -328,8 +332,8 @@ impl ArenaRegion {
         let off = (header as *mut BlockHeader as usize) - self.base.as_ptr() as usize;
         let slot = header.slot;
         self.live_blocks -= 1;
-        self.live_slot_bytes -= slot;
         header.magic = MAGIC_FREE;
+        self.live_prefix = self.live_prefix.min(off);
         if off + slot == self.cursor {
             // The block ends where the hole begins (typically the last one carved): the hole
             // grows back over it, which needs no header inside the hole.
@@ -348,12 +352,44 @@ impl ArenaRegion {
             self.top = 0;
             self.tail = true;
             self.freed_since_scan = 0;
+            self.live_prefix = 0;
         } else {
             self.close_hole();
-            self.cursor = 0;
-            self.limit = 0;
+            self.cursor = self.live_prefix;
+            self.limit = self.live_prefix;
             self.tail = false;
         }
+    }
+
+    /// Walks the whole chain and checks the region's invariants; panics on a violation. Returns
+    /// the slot bytes of the live blocks. For tests: O(blocks).
+    #[doc(hidden)]
+    pub fn verify(&self) -> usize {
+        let chain_end = if self.tail { self.cursor } else { self.top };
+        let (hole_lo, hole_hi) = if self.tail { (self.cursor, self.cursor) } else { (self.cursor, self.limit) };
+        assert!(self.live_prefix <= chain_end, "live prefix beyond the chain end");
+        assert!(self.cursor <= self.limit && self.limit <= self.capacity);
+        let (mut pos, mut live, mut bytes) = (0, 0, 0);
+        while pos < chain_end {
+            if pos == hole_lo && hole_lo < hole_hi {
+                pos = hole_hi;
+                continue;
+            }
+            let h = self.header_at(pos);
+            assert!(self.plausible(pos, h), "corrupt chain at {pos}");
+            assert!(h.magic == MAGIC_LIVE || h.magic == MAGIC_FREE, "bad magic at {pos}");
+            if pos < self.live_prefix {
+                assert!(h.is_live(), "free block at {pos} inside the live prefix {}", self.live_prefix);
+            }
+            if h.is_live() {
+                live += 1;
+                bytes += h.slot;
+            }
+            pos += h.slot;
+        }
+        assert_eq!(pos.max(chain_end), chain_end, "chain overruns its end");
+        assert_eq!(live, self.live_blocks, "live count disagrees with the chain");
+        bytes
     }
 
     /// Bytes the region could still hand out without walking: for tests and statistics.

@@ -90,20 +90,22 @@ pub struct Workspace {
     initialized: bool,
     destroyed: bool,
     grow_at_cycle_end: bool,
-    // Footprint in slot bytes, for learning.
+    // The hot path keeps only these; everything else is derived (see `stats`, `exit`).
+    /// Slot bytes (headers and padding included) of live blocks, arena and external.
     live_slot_bytes: usize,
-    cycle_slot_peak: usize,
-    cycle_live_slot_bytes: usize,
-    // Statistics in requested bytes.
+    /// Requested bytes of live arena blocks.
     used_bytes: u64,
+    cycle_slot_peak: usize,
+    cycle_peak_bytes: u64,
+    last_cycle_peak_bytes: u64,
+    // Updated off the hot path: spills, and frees of blocks from earlier cycles.
     external_bytes: u64,
     external_slot_bytes: u64,
     external_live_blocks: usize,
+    /// Live blocks from earlier cycles: blocks, requested bytes, slot bytes.
+    pinned_blocks: usize,
     pinned_bytes: u64,
-    arena_overhead_bytes: u64,
-    cycle_peak_bytes: u64,
-    last_cycle_peak_bytes: u64,
-    cycle_escaped: (u64, u64),
+    pinned_slot_bytes: usize,
     allocation_count: u64,
     spill_count: u64,
     failed_allocations: u64,
@@ -149,17 +151,16 @@ impl Workspace {
             destroyed: false,
             grow_at_cycle_end: false,
             live_slot_bytes: 0,
-            cycle_slot_peak: 0,
-            cycle_live_slot_bytes: 0,
             used_bytes: 0,
+            cycle_slot_peak: 0,
+            cycle_peak_bytes: 0,
+            last_cycle_peak_bytes: 0,
             external_bytes: 0,
             external_slot_bytes: 0,
             external_live_blocks: 0,
+            pinned_blocks: 0,
             pinned_bytes: 0,
-            arena_overhead_bytes: 0,
-            cycle_peak_bytes: 0,
-            last_cycle_peak_bytes: 0,
-            cycle_escaped: (0, 0),
+            pinned_slot_bytes: 0,
             allocation_count: 0,
             spill_count: 0,
             failed_allocations: 0,
@@ -303,8 +304,11 @@ impl Workspace {
         if self.depth > 0 || self.destroyed {
             return Ok(CycleReport::default());
         }
-        let escaped = self.cycle_escaped;
-        let need = self.cycle_slot_peak + self.cycle_live_slot_bytes;
+        // Blocks of this cycle still live escape it: they stay pinned while the next cycle
+        // reaches the same peak, so they count twice in what a cycle needs.
+        let escaped_blocks = self.live_blocks() - self.pinned_blocks;
+        let escaped_bytes = self.used_bytes + self.external_bytes - self.pinned_bytes;
+        let need = self.cycle_slot_peak + (self.live_slot_bytes - self.pinned_slot_bytes);
         let learning = !self.initialized;
         if learning {
             self.learner.need = self.learner.need.max(need);
@@ -329,20 +333,20 @@ impl Workspace {
             }
         }
         self.generation += 1;
+        self.pinned_blocks = self.live_blocks();
         self.pinned_bytes = self.used_bytes + self.external_bytes;
+        self.pinned_slot_bytes = self.live_slot_bytes;
         self.last_cycle_peak_bytes = self.cycle_peak_bytes;
-        self.cycle_live_slot_bytes = 0;
-        self.cycle_escaped = (0, 0);
-        Ok(CycleReport { completed: true, escaped_blocks: escaped.0, escaped_bytes: escaped.1 })
+        Ok(CycleReport { completed: true, escaped_blocks: escaped_blocks as u64, escaped_bytes })
     }
 
     /// Allocates `size` bytes, 64-byte aligned, under the workspace's policies.
     #[inline]
     pub fn alloc(&mut self, size: usize) -> Result<NonNull<u8>, Error> {
-        if self.destroyed {
-            return Err(Error::Destroyed { workspace: self.name.clone() });
-        }
-        let slot = slot_for(size).ok_or_else(|| self.out_of_memory(size, "request too large"))?;
+        // A destroyed workspace has no current region, so it always takes the slow path.
+        let Some(slot) = slot_for(size) else {
+            return Err(self.out_of_memory(size, "request too large"));
+        };
         if let Some(region) = self.region.as_mut() {
             if (size as u64) >= self.config.helper_min_size {
                 if let Some(off) = region.carve(slot) {
@@ -359,24 +363,15 @@ impl Workspace {
     #[inline]
     fn count_arena(&mut self, slot: usize, size: usize) {
         self.used_bytes += size as u64;
-        self.arena_overhead_bytes += (slot - size) as u64;
-        self.count_live(slot, size);
+        self.count_live(slot);
     }
 
     #[inline]
-    fn count_live(&mut self, slot: usize, size: usize) {
+    fn count_live(&mut self, slot: usize) {
         self.allocation_count += 1;
         self.live_slot_bytes += slot;
-        self.cycle_live_slot_bytes += slot;
-        self.cycle_escaped.0 += 1;
-        self.cycle_escaped.1 += size as u64;
-        if self.live_slot_bytes > self.cycle_slot_peak {
-            self.cycle_slot_peak = self.live_slot_bytes;
-        }
-        let live = self.used_bytes + self.external_bytes;
-        if live > self.cycle_peak_bytes {
-            self.cycle_peak_bytes = live;
-        }
+        self.cycle_slot_peak = self.cycle_slot_peak.max(self.live_slot_bytes);
+        self.cycle_peak_bytes = self.cycle_peak_bytes.max(self.used_bytes + self.external_bytes);
     }
 
     fn out_of_memory(&self, size: usize, reason: &'static str) -> Error {
@@ -391,6 +386,9 @@ impl Workspace {
 
     #[cold]
     fn alloc_outside(&mut self, size: usize, slot: usize) -> Result<NonNull<u8>, Error> {
+        if self.destroyed {
+            return Err(Error::Destroyed { workspace: self.name.clone() });
+        }
         if self.debug == DebugMode::BypassEverything || (size as u64) < self.config.helper_min_size {
             return self.alloc_block(BlockKind::Bypass, size, slot);
         }
@@ -436,7 +434,7 @@ impl Workspace {
             self.external_bytes += size as u64;
             self.external_slot_bytes += len as u64;
             self.external_live_blocks += 1;
-            self.count_live(len, size);
+            self.count_live(len);
         }
         Ok(p)
     }
@@ -466,25 +464,39 @@ impl Workspace {
     ///
     /// # Safety
     /// `p` was returned by `alloc`, `alloc_zeroed` or `realloc` of this workspace and was not freed.
+    #[inline]
     pub unsafe fn free(&mut self, p: NonNull<u8>) {
         // SAFETY: the caller guarantees `p` is a live block of ours, so its header precedes it.
         let h = unsafe { header_of(p) };
         debug_assert!(h.is_live(), "double free or foreign pointer in workspace {:?}", self.name);
+        // The common case: an arena block of the current region, freed in its own cycle.
+        if h.kind == BlockKind::Arena && h.generation == self.generation {
+            if let Some(r) = self.region.as_mut().filter(|r| r.id() == h.region) {
+                self.live_slot_bytes -= h.slot;
+                self.used_bytes -= h.requested as u64;
+                // SAFETY: the header is live and names this region.
+                unsafe { r.release(h) };
+                return;
+            }
+        }
+        // SAFETY: forwarded.
+        unsafe { self.free_slow(h) }
+    }
+
+    /// # Safety
+    /// `h` is the live header of a block of this workspace.
+    #[cold]
+    unsafe fn free_slow(&mut self, h: &mut BlockHeader) {
         let (size, slot, gen, kind) = (h.requested, h.slot, h.generation, h.kind);
         if kind != BlockKind::Bypass {
             self.live_slot_bytes -= slot;
-            if gen == self.generation {
-                self.cycle_live_slot_bytes -= slot;
-                self.cycle_escaped.0 -= 1;
-                self.cycle_escaped.1 -= size as u64;
-            } else {
-                self.pinned_bytes -= size as u64;
+            if gen != self.generation {
+                self.unpin(size, slot);
             }
         }
         match kind {
             BlockKind::Arena => {
                 self.used_bytes -= size as u64;
-                self.arena_overhead_bytes -= (slot - size) as u64;
                 // SAFETY: the header is live and names the region that handed it out.
                 unsafe { self.release_arena(h) };
             }
@@ -502,6 +514,13 @@ impl Workspace {
         }
     }
 
+    #[cold]
+    fn unpin(&mut self, size: usize, slot: usize) {
+        self.pinned_blocks -= 1;
+        self.pinned_bytes -= size as u64;
+        self.pinned_slot_bytes -= slot;
+    }
+
     /// # Safety
     /// `h` is the live header of an arena block of this workspace.
     unsafe fn release_arena(&mut self, h: &mut BlockHeader) {
@@ -509,9 +528,6 @@ impl Workspace {
         if let Some(r) = self.region.as_mut().filter(|r| r.id() == id) {
             // SAFETY: forwarded.
             unsafe { r.release(h) };
-            if self.destroyed && r.live_blocks() == 0 {
-                self.region = None;
-            }
             return;
         }
         let idx = self.retired.iter().position(|r| r.id() == id).expect("block of an unknown region");
@@ -534,10 +550,7 @@ impl Workspace {
             h.requested = new_size;
             let (o, n) = (old as u64, new_size as u64);
             self.used_bytes = self.used_bytes + n - o;
-            self.arena_overhead_bytes = self.arena_overhead_bytes + o - n;
-            if h.generation == self.generation {
-                self.cycle_escaped.1 = self.cycle_escaped.1 + n - o;
-            } else {
+            if h.generation != self.generation {
                 self.pinned_bytes = self.pinned_bytes + n - o;
             }
             let live = self.used_bytes + self.external_bytes;
@@ -571,15 +584,16 @@ impl Workspace {
     pub fn destroy(&mut self) {
         self.destroyed = true;
         self.depth = 0;
-        if self.region.as_ref().is_some_and(|r| r.live_blocks() == 0) {
-            self.region = None;
+        // The current region retires like one replaced by growth: kept while blocks live in it.
+        if let Some(r) = self.region.take() {
+            self.retired.push(r);
         }
         self.retired.retain(|r| r.live_blocks() > 0);
     }
 
     pub fn stats(&self) -> WorkspaceStats {
         let cap = self.capacity_total() as u64;
-        let arena_live: u64 = self.region.iter().chain(self.retired.iter()).map(|r| r.live_slot_bytes() as u64).sum();
+        let arena_live = self.live_slot_bytes as u64 - self.external_slot_bytes;
         WorkspaceStats {
             cycles: self.generation,
             capacity_bytes: cap,
@@ -588,7 +602,7 @@ impl Workspace {
             cached_bytes: cap - arena_live,
             external_bytes: self.external_bytes,
             pinned_bytes: self.pinned_bytes,
-            overhead_bytes: self.arena_overhead_bytes,
+            overhead_bytes: arena_live - self.used_bytes,
             allocation_count: self.allocation_count,
             spill_count: self.spill_count,
             failed_allocations: self.failed_allocations,
@@ -599,6 +613,14 @@ impl Workspace {
     /// the caller's own arithmetic).
     pub fn record_failure(&mut self) {
         self.failed_allocations += 1;
+    }
+
+    /// Checks every region's chain against its counters. For tests: O(blocks).
+    #[doc(hidden)]
+    pub fn verify(&self) {
+        let arena_live: usize = self.region.iter().chain(self.retired.iter()).map(|r| r.verify()).sum();
+        assert_eq!(arena_live as u64, self.live_slot_bytes as u64 - self.external_slot_bytes, "slot bytes disagree");
+        assert!(self.pinned_blocks <= self.live_blocks() && self.pinned_slot_bytes <= self.live_slot_bytes);
     }
 
     /// The header size every block carries, for callers sizing arenas by hand.

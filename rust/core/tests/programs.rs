@@ -103,6 +103,7 @@ fn check(w: &Workspace, live: &[Live], ctx: &str) {
     for pair in spans.windows(2) {
         assert!(pair[0].1 <= pair[1].0, "{ctx}: live blocks overlap: {pair:?}");
     }
+    w.verify();
     let s = w.stats();
     assert_eq!(s.used_bytes, used, "{ctx}: used_bytes");
     assert_eq!(s.external_bytes, external, "{ctx}: external_bytes");
@@ -145,14 +146,11 @@ fn run(config: WorkspaceConfiguration, limit: Option<usize>, ops: Vec<Op>) {
             Op::Realloc(i, size) if !live.is_empty() => {
                 let k = i % live.len();
                 // SAFETY: live block; on success the old pointer is replaced in the model.
-                match unsafe { w.realloc(live[k].p, size) } {
-                    Ok(q) => {
-                        let keep = live[k].size.min(size).min(512);
-                        assert!(intact(q.as_ptr(), keep, live[k].seed), "{ctx}: realloc lost contents");
-                        fill(q.as_ptr(), size.min(512), live[k].seed);
-                        live[k] = Live { p: q, size, seed: live[k].seed };
-                    }
-                    Err(_) => {}
+                if let Ok(q) = unsafe { w.realloc(live[k].p, size) } {
+                    let keep = live[k].size.min(size).min(512);
+                    assert!(intact(q.as_ptr(), keep, live[k].seed), "{ctx}: realloc lost contents");
+                    fill(q.as_ptr(), size.min(512), live[k].seed);
+                    live[k] = Live { p: q, size, seed: live[k].seed };
                 }
             }
             Op::CycleEnd if !w.is_destroyed() => {

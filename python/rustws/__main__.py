@@ -1,0 +1,57 @@
+"""Command line: ``python -m rustws demo | bench | info``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _info() -> int:
+    import numpy as np
+
+    from . import _rustws, __version__
+
+    try:
+        from numpy._core.multiarray import get_handler_name
+    except ImportError:  # pragma: no cover - NumPy 1.x
+        from numpy.core.multiarray import get_handler_name
+
+    info = _rustws.build_info()
+    print(f"rustws {__version__} ({info['profile']} build, abi3 for CPython >= 3.11)")
+    print(f"python {sys.version.split()[0]}, numpy {np.__version__}")
+    print(f"numpy memory handler now: {get_handler_name()}")
+    print("cuda: not built (host workspaces only)")
+    print(f"block header: {info['header_bytes']} bytes, alignment 64 bytes")
+    for key in ("allocation", "learning", "spill", "reset", "mirroring", "location"):
+        print(f"{key + ' policies:':22} {', '.join(info[key + '_policies'])}")
+    mode = _rustws.env_debug_mode()
+    print(f"RUSTWS_DEBUG_MODE: {mode or 'unset'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rustws", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="a training loop with and without workspaces, side by side")
+    demo.add_argument("--quick", action="store_true", help="a short run (for CI)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps per run")
+    bench = sub.add_parser("bench", help="side-by-side allocator benchmarks (each variant in a fresh process)")
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
+    bench.add_argument("--workloads", default="W1,W2,W3,W4", help="comma-separated subset of W1,W2,W3,W4")
+    bench.add_argument("--repeats", type=int, default=None, help="runs per variant (median reported)")
+    bench.add_argument("--out", default="bench-results", help="folder for the JSON results and the chart")
+    sub.add_parser("info", help="version, build features and the current NumPy memory handler")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return _info()
+    if args.command == "demo":
+        from ._demo import run_demo
+
+        return run_demo(quick=args.quick, steps=args.steps)
+    from ._bench import run_bench
+
+    return run_bench(quick=args.quick, workloads=args.workloads, repeats=args.repeats, out=args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
