@@ -9,7 +9,7 @@ import sys
 def _info() -> int:
     import numpy as np
 
-    from . import _rustws, __version__
+    from . import __version__, _rustws
 
     try:
         from numpy._core.multiarray import get_handler_name
@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="a training loop with and without workspaces, side by side")
     demo.add_argument("--quick", action="store_true", help="a short run (for CI)")
     demo.add_argument("--steps", type=int, default=None, help="training steps per run")
-    bench = sub.add_parser("bench", help="side-by-side allocator benchmarks (each variant in a fresh process)")
+    bench = sub.add_parser(
+        "bench", help="side-by-side allocator benchmarks (each variant in a fresh process)"
+    )
     bench.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     bench.add_argument("--workloads", default="W1,W2,W3,W4", help="comma-separated subset of W1,W2,W3,W4")
     bench.add_argument("--repeats", type=int, default=None, help="runs per variant (median reported)")

@@ -105,7 +105,9 @@ def run_demo(quick: bool = False, steps: int | None = None) -> int:
     if n < 3:
         print("demo: --steps must be at least 3", file=sys.stderr)
         return 2
-    print(f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch {BATCH}, {n} steps of SGD with momentum, float32")
+    print(
+        f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch {BATCH}, {n} steps of SGD with momentum, float32"
+    )
     results = {}
     variants = ["numpy", "rustws"]
     for i, variant in enumerate(variants):
@@ -132,7 +134,9 @@ def run_demo(quick: bool = False, steps: int | None = None) -> int:
     print(
         "workspace TRAIN: "
         + ", ".join(
-            f"{k}={_fmt_bytes(v) if k.endswith('_bytes') else v}" for k, v in s.items() if v or k == "spill_count"
+            f"{k}={_fmt_bytes(v) if k.endswith('_bytes') else v}"
+            for k, v in s.items()
+            if v or k == "spill_count"
         )
     )
     return 0 if same else 1

@@ -1,15 +1,14 @@
-"""Workspaces as Python sees them: the per-thread registry, the per-context scope stack, capture of
-NumPy allocations through the workspace's memory handler, and the module-level helpers of the
-contract (``workspace``, ``detach``, ``leverage_to``, ``owner`` ...).
+"""Workspaces as Python sees them: the per-thread registry of named workspaces, and the
+module-level helpers of the contract (``workspace``, ``detach``, ``leverage_to``, ``owner`` ...).
 
-The scope stack lives in a ``ContextVar``, like NumPy's current memory handler, so that threads and
-asyncio tasks each see their own innermost workspace.
+Cycles, the per-context scope stack and capture (making a workspace NumPy's current allocator)
+are in the bindings; the stack lives in a ``ContextVar``, like NumPy's current handler, so threads
+and asyncio tasks each see their own innermost workspace.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import os
 import sys
@@ -17,14 +16,13 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 import numpy as np
 
 from . import _rustws
 from ._config import WorkspaceConfiguration, WorkspaceStats
-from ._errors import LeakedArrayError, NoSuchWorkspaceError, ScopeError
+from ._errors import LeakedArrayError, NoSuchWorkspaceError
 
 try:  # NumPy 2
     from numpy._core.multiarray import get_handler_name as _get_handler_name
@@ -48,18 +46,6 @@ __all__ = [
 
 logger = logging.getLogger("rustws")
 
-_UNCHANGED = object()
-
-
-@dataclass(slots=True)
-class _Scope:
-    workspace: Workspace | None  # None: out of workspaces
-    thread: int
-    previous_handler: Any  # handler to restore at exit, or _UNCHANGED
-    opened_cycle: bool
-
-
-_SCOPES: contextvars.ContextVar[tuple[_Scope, ...]] = contextvars.ContextVar("rustws_scopes", default=())
 _local = threading.local()
 _BY_ID: weakref.WeakValueDictionary[int, Workspace] = weakref.WeakValueDictionary()
 
@@ -71,94 +57,44 @@ def _registry() -> dict[str, Workspace]:
     return reg
 
 
-def _push(ws: Workspace | None, handler: Any, opened_cycle: bool) -> None:
-    previous = _UNCHANGED if handler is _UNCHANGED else _rustws.set_handler(handler)
-    _SCOPES.set((*_SCOPES.get(), _Scope(ws, threading.get_ident(), previous, opened_cycle)))
-
-
-def _pop(ws: Workspace | None, what: str) -> _Scope:
-    stack = _SCOPES.get()
-    if not stack or stack[-1].workspace is not ws:
-        if ws is not None and ws._open_threads and threading.get_ident() not in ws._open_threads:
-            raise ScopeError(f"{what} exited from another thread than the one that entered it")
-        inner = "none" if not stack else _describe(stack[-1].workspace)
-        raise ScopeError(f"{what} is not the innermost scope (the innermost is {inner})")
-    scope = stack[-1]
-    _SCOPES.set(stack[:-1])
-    if scope.previous_handler is not _UNCHANGED:
-        _rustws.set_handler(scope.previous_handler)
-    return scope
-
-
-def _describe(ws: Workspace | None) -> str:
-    return "scope_out_of_workspaces()" if ws is None else f"workspace {ws.name!r}"
-
-
 class Workspace(_rustws.WorkspaceCore):
     """A named workspace of one thread. Each ``with ws:`` is one cycle; nested ``with`` blocks of
     the same workspace nest without a reset. Get one with ``rustws.workspace(name, config)``."""
 
     config: WorkspaceConfiguration
     device: str
-    capture: bool
 
     def _setup(self, config: WorkspaceConfiguration, device: str, capture: bool) -> None:
         self.config = config
         self.device = device
         self.capture = capture
-        self._bypass = self.debug_mode_name == "BYPASS_EVERYTHING"
-        self._open_threads: list[int] = []
         self._registry: dict[str, Workspace] | None = None
 
-    # -- cycles -------------------------------------------------------------------------------
-    def __enter__(self) -> Workspace:
-        self._enter()
-        try:
-            self._push_scope(opened_cycle=True)
-        except BaseException:
-            self._exit()
-            raise
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self._pop_scope()
-        if self.is_destroyed:
-            return
-        completed, escaped_blocks, escaped_bytes = self._exit()
-        failures = self._drain_failures()
-        for message in failures:
+    # Cycles: ``__enter__`` / ``__exit__`` are the core's (rustws._rustws.WorkspaceCore); this
+    # hook runs only when a cycle has something to report.
+    def _after_cycle(self, leaked: bool, escaped_blocks: int, escaped_bytes: int) -> None:
+        for message in self._drain_failures():
             logger.warning("%s", message)
-        if completed and escaped_blocks and self.config.use_cycle_detector and exc_type is None:
-            self._report_escapes(escaped_blocks, escaped_bytes)
-
-    def _push_scope(self, opened_cycle: bool) -> None:
-        handler = self.handler if (self.capture and not self._bypass) else _UNCHANGED
-        _push(self, handler, opened_cycle)
-        self._open_threads.append(threading.get_ident())
-
-    def _pop_scope(self) -> None:
-        _pop(self, f"workspace {self.name!r}")
-        self._open_threads.remove(threading.get_ident())
-
-    def _report_escapes(self, blocks: int, nbytes: int) -> None:
-        message = (
-            f"workspace {self.name!r}: {blocks} array(s) ({nbytes} bytes) outlived cycle "
-            f"{self.generation - 1}; their memory stays pinned until they are freed"
-        )
-        if os.environ.get("RUSTWS_STRICT") == "1":
-            raise LeakedArrayError(message)
-        warnings.warn(message, ResourceWarning, stacklevel=3)
+        if leaked:
+            message = (
+                f"workspace {self.name!r}: {escaped_blocks} array(s) ({escaped_bytes} bytes) outlived cycle "
+                f"{self.generation - 1}; their memory stays pinned until they are freed"
+            )
+            if os.environ.get("RUSTWS_STRICT") == "1":
+                raise LeakedArrayError(message)
+            warnings.warn(message, ResourceWarning, stacklevel=3)
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[Workspace]:
         """Makes this workspace current (and capturing) without opening a new cycle."""
         if self.is_destroyed:
             self._enter()  # raises WorkspaceClosedError
-        self._push_scope(opened_cycle=False)
+        install = self.capture and self.debug_mode_name != "BYPASS_EVERYTHING"
+        _rustws.push_scope(self, install, self.handler)
         try:
             yield self
         finally:
-            self._pop_scope()
+            _rustws.pop_scope(self)
 
     # -- allocation ---------------------------------------------------------------------------
     def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> np.ndarray:
@@ -283,8 +219,7 @@ def get_workspace(name: str) -> Workspace | None:
 
 def current_workspace() -> Workspace | None:
     """The innermost workspace of this thread or task (None inside ``scope_out_of_workspaces``)."""
-    stack = _SCOPES.get()
-    return stack[-1].workspace if stack else None
+    return _rustws.current_workspace()  # type: ignore[return-value]
 
 
 def workspaces() -> list[Workspace]:
@@ -295,11 +230,11 @@ def workspaces() -> list[Workspace]:
 @contextlib.contextmanager
 def scope_out_of_workspaces() -> Iterator[None]:
     """Inside, no workspace is current and NumPy allocates with its default allocator."""
-    _push(None, None, opened_cycle=False)
+    _rustws.push_scope(None, True, None)
     try:
         yield
     finally:
-        _pop(None, "scope_out_of_workspaces()")
+        _rustws.pop_scope(None)
 
 
 def destroy_all_workspaces_for_current_thread() -> None:

@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::{null_mut, NonNull};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyRuntimeError;
@@ -52,6 +52,10 @@ pub struct Shared {
     workspace: Mutex<Workspace>,
     /// Messages of requests refused while capturing, drained and logged by the Python layer.
     failures: Mutex<Vec<String>>,
+    /// Whether `failures` holds anything: read at every cycle exit without the lock.
+    pub has_failures: AtomicBool,
+    /// The thread that last opened a scope of this workspace, to name a cross-thread exit.
+    pub entered_on: std::sync::atomic::AtomicU64,
 }
 
 thread_local! {
@@ -73,6 +77,8 @@ impl Shared {
             destroyed: AtomicBool::new(false),
             workspace: Mutex::new(workspace),
             failures: Mutex::new(Vec::new()),
+            has_failures: AtomicBool::new(false),
+            entered_on: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -83,11 +89,13 @@ impl Shared {
     }
 
     pub fn drain_failures(&self) -> Vec<String> {
+        self.has_failures.store(false, Ordering::Relaxed);
         std::mem::take(&mut *self.failures.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     fn refuse(&self, e: Error) -> *mut c_void {
         self.failures.lock().unwrap_or_else(|e| e.into_inner()).push(e.to_string());
+        self.has_failures.store(true, Ordering::Relaxed);
         LAST_REFUSAL.with(|r| *r.borrow_mut() = Some(e));
         null_mut()
     }

@@ -4,6 +4,7 @@
 //! handler. Policy, learning and arena logic all live in `rustws-core`.
 
 mod handler;
+mod scope;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -21,7 +22,7 @@ use rustws_core::{
 use handler::Shared;
 
 /// Raises the Python exception class `name` of `rustws._errors`.
-fn py_error(py: Python<'_>, name: &str, message: String) -> PyErr {
+pub(crate) fn py_error(py: Python<'_>, name: &str, message: String) -> PyErr {
     match py.import("rustws._errors").and_then(|m| m.getattr(name)) {
         Ok(cls) => match cls.call1((message.clone(),)) {
             Ok(inst) => PyErr::from_value(inst),
@@ -223,12 +224,67 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A workspace: the core behind a lock, and its NumPy memory handler. Subclassed by
 /// `rustws.Workspace`, which adds the context-manager protocol.
-#[pyclass(subclass, module = "rustws._rustws")]
+#[pyclass(subclass, frozen, module = "rustws._rustws")]
 struct WorkspaceCore {
     shared: Arc<Shared>,
     capsule: Py<PyAny>,
     /// Debug mode BYPASS_EVERYTHING: arrays come from NumPy's default allocator.
     bypass: bool,
+    /// Whether cycles make this workspace NumPy's current allocator.
+    capture: std::sync::atomic::AtomicBool,
+    /// `use_cycle_detector`: report arrays that outlive their cycle.
+    cycle_detector: bool,
+}
+
+impl WorkspaceCore {
+    fn install(&self, py: Python<'_>) -> bool {
+        let _ = py;
+        self.capture.load(Ordering::Relaxed) && !self.bypass
+    }
+
+    fn note_entered(&self) {
+        self.shared.entered_on.store(scope::thread_ident(), Ordering::Relaxed);
+    }
+
+    /// For the message of a refused exit: was the scope entered on another thread?
+    fn entered_elsewhere(&self) -> bool {
+        let on = self.shared.entered_on.load(Ordering::Relaxed);
+        on != 0 && on != scope::thread_ident()
+    }
+}
+
+/// Pushes a scope for `owner` (a workspace or None). `install`: make `handler` (a capsule, or
+/// None for NumPy's default) current; otherwise leave NumPy's handler alone.
+#[pyfunction]
+fn push_scope(
+    py: Python<'_>,
+    owner: &Bound<'_, PyAny>,
+    install: bool,
+    handler: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let how = match (install, handler) {
+        (false, _) => scope::Install::Keep,
+        (true, None) => scope::Install::Default,
+        (true, Some(h)) => scope::Install::Handler(h),
+    };
+    scope::push(py, owner, how)?;
+    if let Ok(ws) = owner.cast::<WorkspaceCore>() {
+        ws.get().note_entered();
+    }
+    Ok(())
+}
+
+/// Pops the innermost scope, which must be `owner`'s (else `ScopeError`).
+#[pyfunction]
+fn pop_scope(py: Python<'_>, owner: &Bound<'_, PyAny>) -> PyResult<()> {
+    let elsewhere = owner.cast::<WorkspaceCore>().is_ok_and(|w| w.get().entered_elsewhere());
+    scope::pop(py, owner, elsewhere)
+}
+
+/// The workspace of the innermost scope of this thread or task (None when there is none).
+#[pyfunction]
+fn current_workspace(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    scope::current(py)
 }
 
 fn type_name(v: &Bound<'_, PyAny>) -> String {
@@ -473,9 +529,10 @@ impl WorkspaceCore {
         let c = config_from_dict(config)?;
         let ws = Workspace::new(name, c).map_err(|e| to_py(py, e))?;
         let bypass = ws.debug_mode() == DebugMode::BypassEverything;
+        let cycle_detector = ws.config().use_cycle_detector;
         let shared = Arc::new(Shared::new(NEXT_ID.fetch_add(1, Ordering::Relaxed), ws));
         let capsule = handler::new_capsule(py, &shared)?;
-        Ok(WorkspaceCore { shared, capsule, bypass })
+        Ok(WorkspaceCore { shared, capsule, bypass, capture: true.into(), cycle_detector })
     }
 
     /// The workspace's name.
@@ -524,15 +581,60 @@ impl WorkspaceCore {
         self.shared.lock().debug_mode().as_str()
     }
 
-    /// Opens a cycle or nests in the open one.
-    fn _enter(&self, py: Python<'_>) -> PyResult<()> {
-        self.shared.lock().enter().map_err(|e| to_py(py, e))
+    /// Whether cycles make this workspace NumPy's current allocator.
+    #[getter]
+    fn capture(&self) -> bool {
+        self.capture.load(Ordering::Relaxed)
     }
 
-    /// Closes one level; returns `(completed, escaped_blocks, escaped_bytes)`.
-    fn _exit(&self, py: Python<'_>) -> PyResult<(bool, u64, u64)> {
-        let r = self.shared.lock().exit().map_err(|e| to_py(py, e))?;
-        Ok((r.completed, r.escaped_blocks, r.escaped_bytes))
+    #[setter]
+    fn set_capture(&self, value: bool) {
+        self.capture.store(value, Ordering::Relaxed);
+    }
+
+    /// Opens a cycle (or nests in the open one) and makes this workspace current.
+    fn __enter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
+        let py = slf.py();
+        let me = slf.get();
+        me.shared.lock().enter().map_err(|e| to_py(py, e))?;
+        let capsule = me.capsule.bind(py);
+        let how = if me.install(py) { scope::Install::Handler(capsule) } else { scope::Install::Keep };
+        if let Err(e) = scope::push(py, slf.as_any(), how) {
+            let _ = me.shared.lock().exit();
+            return Err(e);
+        }
+        me.note_entered();
+        Ok(slf.clone())
+    }
+
+    /// Closes the innermost scope; the outermost level ends the cycle. Reports refused
+    /// requests and escaped arrays through `_after_cycle` when there are any.
+    #[pyo3(signature = (exc_type=None, _exc=None, _tb=None))]
+    fn __exit__(
+        slf: &Bound<'_, Self>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let py = slf.py();
+        let me = slf.get();
+        scope::pop(py, slf.as_any(), me.entered_elsewhere())?;
+        if me.shared.destroyed.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let r = me.shared.lock().exit().map_err(|e| to_py(py, e))?;
+        let failures = me.shared.has_failures.load(Ordering::Relaxed);
+        let leaked = r.completed && r.escaped_blocks > 0 && me.cycle_detector;
+        if failures || leaked {
+            let clean = exc_type.is_none_or(|t| t.is_none());
+            slf.call_method1("_after_cycle", (leaked && clean, r.escaped_blocks, r.escaped_bytes))?;
+        }
+        Ok(false)
+    }
+
+    /// Opens a cycle level without touching scopes (for tests of the core's nesting).
+    fn _enter(&self, py: Python<'_>) -> PyResult<()> {
+        self.shared.lock().enter().map_err(|e| to_py(py, e))
     }
 
     /// The statistics as a tuple in the order of `WorkspaceStats`' fields.
@@ -619,6 +721,10 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_handler, m)?)?;
     m.add_function(wrap_pyfunction!(get_handler, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(push_scope, m)?)?;
+    m.add_function(wrap_pyfunction!(pop_scope, m)?)?;
+    m.add_function(wrap_pyfunction!(current_workspace, m)?)?;
+    m.add("SCOPES", scope::scope_var(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HEADER_BYTES", Workspace::header_bytes())?;
     let _ = PyTuple::empty(m.py());

@@ -1,0 +1,265 @@
+"""Side-by-side benchmarks: ``python -m rustws bench``.
+
+Each (workload, variant) runs in a fresh process; variants are interleaved and repeated, and the
+table reports medians and ratios from the same run. Variants: NumPy's default allocator, rustws
+capture, the same code with preallocated ``out=`` buffers (the limit: no allocation at all), and
+jemalloc, mimalloc and tcmalloc through ``LD_PRELOAD`` where installed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+PEERS = {
+    "jemalloc": "libjemalloc.so.2",
+    "mimalloc": "libmimalloc.so.2",
+    "tcmalloc": "libtcmalloc_minimal.so.4",
+}
+LIB_DIRS = [
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+]
+
+# name -> (description, bytes per array or None, steps, quick steps)
+WORKLOADS: dict[str, tuple[str, int | None, int, int]] = {
+    "W1-1MiB": ("3 temporaries per step, float32, 1 MiB", 1 << 20, 300, 60),
+    "W1-16MiB": ("3 temporaries per step, float32, 16 MiB", 16 << 20, 40, 12),
+    "W1-64MiB": ("3 temporaries per step, float32, 64 MiB", 64 << 20, 16, 6),
+    "W2-256B": ("3 temporaries per step, float32, 256 B", 256, 20000, 4000),
+    "W2-4KiB": ("3 temporaries per step, float32, 4 KiB", 4096, 20000, 4000),
+    "W3-SGD": ("SGD step, X 4096x1024 float32, weights escape every cycle", None, 60, 15),
+    "W4-long": ("one long cycle around 100 steps of W1 at 1 MiB", 1 << 20, 3, 2),
+}
+WARMUP = 3
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _w1_body(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    a = x * w
+    b = a + 1
+    return np.tanh(b)
+
+
+def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
+    """Runs one workload in this process and returns its measurements."""
+    import rustws
+
+    family = workload.split("-")[0]
+    nbytes = WORKLOADS[workload][1]
+    ws = rustws.workspace("BENCH") if variant == "rustws" else None
+    times: list[float] = []
+    if family in ("W1", "W2", "W4"):
+        assert nbytes is not None
+        n = nbytes // 4
+        x = np.random.default_rng(0).random(n, dtype=np.float32)
+        w = np.full(n, 0.5, np.float32)
+        bufs = [np.empty(n, np.float32) for _ in range(3)] if variant == "limit" else []
+
+        def step() -> None:
+            if variant == "limit":
+                np.multiply(x, w, out=bufs[0])
+                np.add(bufs[0], 1, out=bufs[1])
+                np.tanh(bufs[1], out=bufs[2])
+            elif ws is not None and family != "W4":
+                with ws:
+                    _w1_body(x, w)
+            else:
+                _w1_body(x, w)
+
+        if family == "W4":
+            inner = 100
+
+            def outer() -> None:
+                if ws is not None:
+                    with ws:
+                        for _ in range(inner):
+                            step()
+                else:
+                    for _ in range(inner):
+                        step()
+
+            run, per_call = outer, inner
+        else:
+            run, per_call = step, 1
+    else:  # W3
+        rng = np.random.default_rng(0)
+        X = rng.standard_normal((4096, 1024), dtype=np.float32)
+        y = rng.standard_normal(4096, dtype=np.float32)
+        lr, m = np.float32(0.01), np.float32(4096)
+        state = {"w": np.zeros(1024, np.float32), "spare": np.empty(1024, np.float32)}
+        r, g = np.empty(4096, np.float32), np.empty(1024, np.float32)
+
+        def run() -> None:
+            if variant == "limit":
+                np.matmul(X, state["w"], out=r)
+                np.subtract(r, y, out=r)
+                np.matmul(X.T, r, out=g)
+                np.multiply(g, lr / m, out=g)
+                np.subtract(state["w"], g, out=state["spare"])
+                state["w"], state["spare"] = state["spare"], state["w"]
+            elif ws is not None:
+                with ws:
+                    w = state["w"]
+                    state["w"] = w - lr * (X.T @ (X @ w - y)) / m
+            else:
+                w = state["w"]
+                state["w"] = w - lr * (X.T @ (X @ w - y)) / m
+
+        per_call = 1
+    for _ in range(WARMUP):
+        run()
+    f0 = _faults()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t0) / per_call)
+    faults = (_faults() - f0) / (steps * per_call)
+    out: dict[str, Any] = {
+        "step_s": statistics.median(times),
+        "faults_per_step": faults,
+        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+    }
+    if ws is not None:
+        out["stats"] = ws.stats().as_dict()
+    return out
+
+
+def _find_lib(name: str) -> str | None:
+    for d in LIB_DIRS:
+        hits = sorted(glob.glob(os.path.join(d, name)))
+        if hits:
+            return hits[0]
+    return None
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 32
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<28}")
+    sys.stderr.flush()
+
+
+def _run_one(workload: str, variant: str, steps: int, preload: str | None) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if preload:
+        env["LD_PRELOAD"] = preload
+    code = (
+        "import json, rustws._bench as b; "
+        f"print(json.dumps(b._worker({workload!r}, {'numpy' if preload else variant!r}, {steps})))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{workload}/{variant} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+
+def run_bench(
+    quick: bool = False,
+    workloads: str = "W1,W2,W3,W4",
+    repeats: int | None = None,
+    out: str = "bench-results",
+) -> int:
+    wanted = [w.strip().upper() for w in workloads.split(",") if w.strip()]
+    names = [n for n in WORKLOADS if n.split("-")[0] in wanted]
+    if not names:
+        print(f"bench: no workload matches {workloads!r} (use W1,W2,W3,W4)", file=sys.stderr)
+        return 2
+    reps = repeats if repeats is not None else (3 if quick else 5)
+    peers = {k: p for k, lib in PEERS.items() if (p := _find_lib(lib))}
+    variants = ["numpy", "rustws", "limit", *peers]
+    missing = sorted(set(PEERS) - set(peers))
+    plan = [(n, v) for n in names for _ in range(reps) for v in variants]
+    print(
+        f"{len(plan)} runs: {len(names)} workloads x {len(variants)} variants x {reps} repeats, each in a fresh process"
+    )
+    if missing:
+        print(
+            f"not installed (skipped): {', '.join(missing)} (Debian: libjemalloc2 libmimalloc2.0 libtcmalloc-minimal4)"
+        )
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {n: {v: [] for v in variants} for n in names}
+    for i, (n, v) in enumerate(plan):
+        _progress(i, len(plan), f"{n} {v}")
+        steps = WORKLOADS[n][3 if quick else 2]
+        raw[n][v].append(_run_one(n, v, steps, peers.get(v)))
+    _progress(len(plan), len(plan), "done")
+    sys.stderr.write("\n")
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for n in names:
+        summary[n] = {}
+        for v in variants:
+            runs = raw[n][v]
+            summary[n][v] = {
+                "step_s": statistics.median(r["step_s"] for r in runs),
+                "faults_per_step": statistics.median(r["faults_per_step"] for r in runs),
+                "peak_rss_kib": statistics.median(r["peak_rss_kib"] for r in runs),
+            }
+    for n in names:
+        s = summary[n]
+        limit, base = s["limit"]["step_s"], s["numpy"]["step_s"]
+        print(f"\n{n}: {WORKLOADS[n][0]}")
+        print(
+            f"  {'variant':10}{'step':>12}{'vs limit':>10}{'vs numpy':>10}{'faults/step':>13}{'peak RSS':>11}"
+        )
+        for v in variants:
+            r = s[v]
+            print(
+                f"  {v:10}{_fmt_time(r['step_s']):>12}{r['step_s'] / limit:>9.2f}x{r['step_s'] / base:>9.2f}x"
+                f"{r['faults_per_step']:>13.1f}{r['peak_rss_kib'] / 1024:>8.1f} MiB"
+            )
+        best_peer = min((v for v in variants if v in PEERS), key=lambda v: s[v]["step_s"], default=None)
+        if best_peer:
+            print(
+                f"  rustws vs best peer ({best_peer}): {s[best_peer]['step_s'] / s['rustws']['step_s']:.2f}x faster"
+            )
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump({"summary": summary, "raw": raw, "repeats": reps, "quick": quick}, f, indent=1)
+    _chart(summary, variants, os.path.join(out, "bench.png"))
+    print(f"\nresults: {os.path.join(out, 'bench.json')}")
+    return 0
+
+
+def _chart(summary: dict[str, dict[str, dict[str, float]]], variants: list[str], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("chart: matplotlib is not installed (pip install 'rustws[plots]'); no PNG written")
+        return
+    names = list(summary)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4.5))
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        vals = [summary[n][v]["step_s"] / summary[n]["limit"]["step_s"] for n in names]
+        ax.bar([k + i * width for k in range(len(names))], vals, width, label=v)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], names)
+    ax.set_ylabel("step time / limit (preallocated out=)")
+    ax.set_title("rustws bench: median step time relative to no allocation at all")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"chart: {path}")
