@@ -191,11 +191,13 @@ def run_bench(
     missing = sorted(set(PEERS) - set(peers))
     plan = [(n, v) for n in names for _ in range(reps) for v in variants]
     print(
-        f"{len(plan)} runs: {len(names)} workloads x {len(variants)} variants x {reps} repeats, each in a fresh process"
+        f"{len(plan)} runs: {len(names)} workloads x {len(variants)} variants x {reps} repeats,"
+        " each in a fresh process"
     )
     if missing:
         print(
-            f"not installed (skipped): {', '.join(missing)} (Debian: libjemalloc2 libmimalloc2.0 libtcmalloc-minimal4)"
+            f"not installed (skipped): {', '.join(missing)}"
+            " (Debian: libjemalloc2 libmimalloc2.0 libtcmalloc-minimal4)"
         )
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {n: {v: [] for v in variants} for n in names}
     for i, (n, v) in enumerate(plan):
@@ -230,7 +232,8 @@ def run_bench(
         best_peer = min((v for v in variants if v in PEERS), key=lambda v: s[v]["step_s"], default=None)
         if best_peer:
             print(
-                f"  rustws vs best peer ({best_peer}): {s[best_peer]['step_s'] / s['rustws']['step_s']:.2f}x faster"
+                f"  rustws vs best peer ({best_peer}): "
+                f"{s[best_peer]['step_s'] / s['rustws']['step_s']:.2f}x faster"
             )
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench.json"), "w") as f:
