@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+
 import rustws
 from rustws import _rustws
 

@@ -6,6 +6,7 @@ import math
 import os
 
 import pytest
+
 import rustws
 from rustws import (
     AllocationPolicy,

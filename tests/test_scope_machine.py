@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import rustws
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import rustws
 from rustws import ResetPolicy, SpillPolicy, WorkspaceConfiguration
 
 CONFIGS = {

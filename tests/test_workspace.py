@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 import pytest
+
 import rustws
 from rustws import (
     AllocationPolicy,
