@@ -28,7 +28,7 @@ pub(crate) fn py_error(py: Python<'_>, name: &str, message: String) -> PyErr {
             Ok(inst) => PyErr::from_value(inst),
             Err(e) => e,
         },
-        Err(_) => PyMemoryError::new_err(message),
+        Err(_) => pyo3::exceptions::PyRuntimeError::new_err(message),
     }
 }
 
@@ -237,8 +237,8 @@ struct WorkspaceCore {
 }
 
 impl WorkspaceCore {
-    fn install(&self, py: Python<'_>) -> bool {
-        let _ = py;
+    /// Whether a cycle makes this workspace NumPy's current allocator.
+    fn installs_handler(&self) -> bool {
         self.capture.load(Ordering::Relaxed) && !self.bypass
     }
 
@@ -598,7 +598,7 @@ impl WorkspaceCore {
         let me = slf.get();
         me.shared.lock().enter().map_err(|e| to_py(py, e))?;
         let capsule = me.capsule.bind(py);
-        let how = if me.install(py) { scope::Install::Handler(capsule) } else { scope::Install::Keep };
+        let how = if me.installs_handler() { scope::Install::Handler(capsule) } else { scope::Install::Keep };
         if let Err(e) = scope::push(py, slf.as_any(), how) {
             let _ = me.shared.lock().exit();
             return Err(e);
@@ -727,6 +727,5 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SCOPES", scope::scope_var(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HEADER_BYTES", Workspace::header_bytes())?;
-    let _ = PyTuple::empty(m.py());
     Ok(())
 }
