@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ._progress import progress
+
 PEERS = {
     "jemalloc": "libjemalloc.so.2",
     "mimalloc": "libmimalloc.so.2",
@@ -148,13 +150,6 @@ def _find_lib(name: str) -> str | None:
     return None
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    width = 32
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<28}")
-    sys.stderr.flush()
-
-
 def _run_one(workload: str, variant: str, steps: int, preload: str | None) -> dict[str, Any]:
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
@@ -201,11 +196,10 @@ def run_bench(
         )
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {n: {v: [] for v in variants} for n in names}
     for i, (n, v) in enumerate(plan):
-        _progress(i, len(plan), f"{n} {v}")
+        progress(f"{n} {v}", i, len(plan))
         steps = WORKLOADS[n][3 if quick else 2]
         raw[n][v].append(_run_one(n, v, steps, peers.get(v)))
-    _progress(len(plan), len(plan), "done")
-    sys.stderr.write("\n")
+    progress("done", len(plan), len(plan))
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for n in names:
         summary[n] = {}

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ._progress import progress
+
 FEATURES, HIDDEN, CLASSES, BATCH = 256, 1024, 10, 512
 
 
@@ -91,13 +93,6 @@ def _train(variant: str, steps: int, seed: int) -> dict[str, Any]:
     return out
 
 
-def _progress(label: str, done: int, total: int) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    sys.stdout.write(f"\r{label:<8} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    sys.stdout.flush()
-
-
 def run_demo(quick: bool = False, steps: int | None = None) -> int:
     from ._workspace import _fmt_bytes
 
@@ -111,15 +106,14 @@ def run_demo(quick: bool = False, steps: int | None = None) -> int:
     results = {}
     variants = ["numpy", "rustws"]
     for i, variant in enumerate(variants):
-        _progress(variant, i, len(variants))
+        progress(f"training: {variant}", i, len(variants), sys.stdout)
         code = f"import json, rustws._demo as d; print(json.dumps(d._train({variant!r}, {n}, 7)))"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"\n{variant} run failed:\n{proc.stderr}", file=sys.stderr)
             return 1
         results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
-        _progress(variant, i + 1, len(variants))
-    print()
+        progress(f"training: {variant}", i + 1, len(variants), sys.stdout)
     base, ws = results["numpy"], results["rustws"]
     same = base["losses"] == ws["losses"]
     print(f"{'':10}{'step (median)':>15}{'faults/step':>13}{'peak RSS':>12}{'final loss':>12}")

@@ -118,6 +118,8 @@ impl Backend for AnonymousMemory {
         Ok(ptr)
     }
 
+    /// # Safety
+    /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
         // SAFETY: the caller guarantees this is one whole mapping of ours, no longer used.
         unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
@@ -179,6 +181,8 @@ impl Backend for FileMappedMemory {
         Ok(ptr)
     }
 
+    /// # Safety
+    /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
         // SAFETY: the caller guarantees this is one whole mapping of ours, no longer used.
         unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
@@ -203,6 +207,8 @@ impl Backend for HeapMemory {
         NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| format!("the heap refused {len} bytes"))
     }
 
+    /// # Safety
+    /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
         let layout = Layout::from_size_align(len.max(1), 4096).expect("layout was valid at map");
         // SAFETY: the caller guarantees `ptr` came from `map` with this length.
@@ -256,6 +262,8 @@ impl Backend for LimitAdaptor {
         })
     }
 
+    /// # Safety
+    /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
         // SAFETY: forwarded with the caller's guarantee.
         unsafe { self.upstream.unmap(ptr, len) };
@@ -269,6 +277,8 @@ impl Backend for LimitAdaptor {
         })
     }
 
+    /// # Safety
+    /// As for [`Backend::free_block`].
     unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
         // SAFETY: forwarded with the caller's guarantee.
         unsafe { self.upstream.free_block(ptr, len) };
