@@ -392,6 +392,53 @@ impl ArenaRegion {
         bytes
     }
 
+    /// Retires the region (a larger one replaces it, or its workspace is destroyed) while blocks
+    /// in it live: no more allocation happens here, so the pages of its free runs go back to the
+    /// system and only pages under live blocks stay resident. O(blocks), once.
+    pub fn retire(&mut self) {
+        self.close_hole();
+        let page = crate::backend::page_bytes();
+        let discard = |this: &Self, from: usize, to: usize| {
+            let (a, b) = (from.next_multiple_of(page), to / page * page);
+            if a < b {
+                // SAFETY: `[a, b)` lies inside the mapping (offsets below capacity).
+                let p = unsafe { this.base.add(a) };
+                this.backend.discard(p, b - a);
+            }
+        };
+        let mut pos = 0;
+        while pos < self.top {
+            let h = self.header_at(pos);
+            if !self.plausible(pos, h) {
+                return;
+            }
+            if h.is_live() {
+                pos += h.slot;
+                continue;
+            }
+            let run_start = pos;
+            while pos < self.top && !self.header_at(pos).is_live() {
+                let h = self.header_at(pos);
+                if !self.plausible(pos, h) {
+                    return;
+                }
+                pos += h.slot;
+            }
+            if pos >= self.top {
+                self.top = run_start;
+                break;
+            }
+            // One header for the whole run keeps the chain walkable; the rest may go.
+            self.write_free_header(run_start, pos - run_start);
+            discard(self, run_start + HEADER, pos);
+        }
+        discard(self, self.top, self.capacity);
+        // Nothing is carved here any more.
+        self.cursor = self.top;
+        self.limit = self.top;
+        self.tail = false;
+    }
+
     /// Bytes the region could still hand out without walking: for tests and statistics.
     pub fn hole_bytes(&self) -> usize {
         self.limit - self.cursor

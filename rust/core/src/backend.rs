@@ -55,6 +55,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn host_accessible(&self) -> bool {
         true
     }
+
+    /// Tells the backend that `[ptr, ptr + len)` of a mapped region holds nothing of value; it
+    /// may return the pages to the system (they read as zero, or their old contents, afterwards).
+    /// `ptr` and `len` are page-aligned. The default keeps them.
+    fn discard(&self, ptr: NonNull<u8>, len: usize) {
+        let _ = (ptr, len);
+    }
 }
 
 fn page_size() -> usize {
@@ -124,7 +131,38 @@ impl Backend for AnonymousMemory {
         // SAFETY: the caller guarantees this is one whole mapping of ours, no longer used.
         unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
     }
+
+    fn discard(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: the caller passes page-aligned memory of one of our mappings that holds no live
+        // data; for private anonymous memory the pages are dropped and read back as zeros.
+        unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTNEED) };
+    }
+
+    /// Large blocks are mappings of their own, so that freeing one returns its memory to the
+    /// system at once (the C heap may keep it, inflating the footprint of a learning cycle).
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+        if len >= DIRECT_MAP_THRESHOLD {
+            mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)
+        } else {
+            HeapMemory.alloc_block(len)
+        }
+    }
+
+    /// # Safety
+    /// As for [`Backend::free_block`].
+    unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
+        if len >= DIRECT_MAP_THRESHOLD {
+            // SAFETY: blocks of this length were mapped by `alloc_block` above.
+            unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
+        } else {
+            // SAFETY: smaller blocks came from the heap, with this length.
+            unsafe { HeapMemory.free_block(ptr, len) };
+        }
+    }
 }
+
+/// External blocks at least this large get a mapping of their own.
+pub const DIRECT_MAP_THRESHOLD: usize = 256 << 10;
 
 /// Memory mapped from a file: a named file when `path` is not a folder (kept afterwards), else a
 /// file created in the folder and unlinked at once (it disappears with the mapping).
@@ -288,12 +326,21 @@ impl Backend for LimitAdaptor {
     fn host_accessible(&self) -> bool {
         self.upstream.host_accessible()
     }
+
+    fn discard(&self, ptr: NonNull<u8>, len: usize) {
+        self.upstream.discard(ptr, len);
+    }
 }
 
 /// Rounds `n` up to a multiple of the system page size.
 pub fn round_to_page(n: usize) -> usize {
     let p = page_size();
     n.div_ceil(p) * p
+}
+
+/// The system page size.
+pub fn page_bytes() -> usize {
+    page_size()
 }
 
 #[cfg(test)]
@@ -310,10 +357,15 @@ mod tests {
         s.fill(7);
         // SAFETY: mapped above, released once.
         unsafe { b.unmap(p, len) };
-        let q = b.alloc_block(100).unwrap();
-        assert_eq!(q.as_ptr() as usize % BLOCK_ALIGN, 0);
-        // SAFETY: allocated above with the same length.
-        unsafe { b.free_block(q, 100) };
+        for len in [100, DIRECT_MAP_THRESHOLD, 3 << 20] {
+            let q = b.alloc_block(len).unwrap();
+            assert_eq!(q.as_ptr() as usize % BLOCK_ALIGN, 0);
+            // SAFETY: allocated above with `len` bytes.
+            unsafe {
+                q.as_ptr().write_bytes(0xAB, len);
+                b.free_block(q, len);
+            }
+        }
     }
 
     #[test]

@@ -254,8 +254,9 @@ impl Workspace {
             Error::SystemOutOfMemory { workspace: self.name.clone(), requested: cap as u64, detail }
         })?;
         self.next_region_id = self.next_region_id.wrapping_add(1).max(1);
-        if let Some(old) = self.region.replace(region) {
+        if let Some(mut old) = self.region.replace(region) {
             if old.live_blocks() > 0 {
+                old.retire();
                 self.retired.push(old);
             }
         }
@@ -585,8 +586,11 @@ impl Workspace {
         self.destroyed = true;
         self.depth = 0;
         // The current region retires like one replaced by growth: kept while blocks live in it.
-        if let Some(r) = self.region.take() {
-            self.retired.push(r);
+        if let Some(mut r) = self.region.take() {
+            if r.live_blocks() > 0 {
+                r.retire();
+                self.retired.push(r);
+            }
         }
         self.retired.retain(|r| r.live_blocks() > 0);
     }

@@ -112,10 +112,12 @@ fn check(w: &Workspace, live: &[Live], ctx: &str) {
     assert_eq!(s.cycles, w.generation());
 }
 
-fn run(config: WorkspaceConfiguration, limit: Option<usize>, ops: Vec<Op>) {
+fn run(config: WorkspaceConfiguration, limit: Option<usize>, anonymous: bool, ops: Vec<Op>) {
+    // The heap stand-in keeps discarded pages; anonymous memory really drops them.
+    let upstream: Arc<dyn Backend> = if anonymous { Arc::new(AnonymousMemory) } else { Arc::new(HeapMemory) };
     let backend: Arc<dyn Backend> = match limit {
-        Some(l) => Arc::new(LimitAdaptor::new(Arc::new(HeapMemory), l)),
-        None => Arc::new(HeapMemory),
+        Some(l) => Arc::new(LimitAdaptor::new(upstream, l)),
+        None => upstream,
     };
     let mut w = match Workspace::with_backend("P", config, backend) {
         Ok(w) => w,
@@ -182,19 +184,21 @@ proptest! {
     #[test]
     fn random_programs_keep_blocks_disjoint_intact_and_counted(
         (config, limit) in config(),
+        anonymous in any::<bool>(),
         ops in prop::collection::vec(op(), 1..300),
     ) {
-        run(config, limit, ops);
+        run(config, limit, anonymous, ops);
     }
 
     #[test]
     fn random_programs_survive_destroy(
         (config, limit) in config(),
+        anonymous in any::<bool>(),
         mut ops in prop::collection::vec(op(), 1..120),
         at in any::<prop::sample::Index>(),
     ) {
         let k = at.index(ops.len());
         ops.insert(k, Op::Destroy);
-        run(config, limit, ops);
+        run(config, limit, anonymous, ops);
     }
 }
