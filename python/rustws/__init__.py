@@ -33,6 +33,8 @@ from ._errors import (
     WorkspaceError,
     WorkspaceOutOfMemory,
 )
+from ._layers import LayerWorkspaceMgr, LayerWorkspaceMgrBuilder
+from ._pipeline import AsyncPrefetch, AsyncShield, gc_window, set_auto_gc_window, toggle_periodic_gc
 from ._workspace import (
     Workspace,
     current_workspace,
@@ -53,9 +55,13 @@ __version__: str = _rustws.__version__
 __all__ = [
     "AllocationPolicy",
     "ArrayType",
+    "AsyncPrefetch",
+    "AsyncShield",
     "DebugMode",
     "DeviceUnavailableError",
     "DisposedArrayError",
+    "LayerWorkspaceMgr",
+    "LayerWorkspaceMgrBuilder",
     "LeakedArrayError",
     "LearningPolicy",
     "LocationPolicy",
@@ -76,12 +82,15 @@ __all__ = [
     "current_workspace",
     "destroy_all_workspaces_for_current_thread",
     "detach",
+    "gc_window",
     "get_and_activate_workspace",
     "get_workspace",
     "leverage_to",
     "owner",
     "print_allocation_statistics",
     "scope_out_of_workspaces",
+    "set_auto_gc_window",
+    "toggle_periodic_gc",
     "workspace",
     "workspaces",
 ]

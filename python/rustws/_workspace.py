@@ -127,7 +127,7 @@ class Workspace(_rustws.WorkspaceCore):
         reg = self._registry
         if reg is not None and reg.get(self.name) is self:
             del reg[self.name]
-        _BY_ID.pop(self.id, None)
+        # ``owner`` still finds it while this object lives: its memory holds the remaining arrays.
 
     close = destroy
 
@@ -279,7 +279,8 @@ def owner(a: Any) -> Workspace | None:
         ident = int(name.split(":", 2)[1])
     except (IndexError, ValueError):
         return None
-    return _BY_ID.get(ident)
+    ws = _BY_ID.get(ident)
+    return ws if ws is not None and ws._holds(base) else None
 
 
 def _fmt_bytes(n: int) -> str:

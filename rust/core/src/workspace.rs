@@ -18,6 +18,18 @@ use crate::error::Error;
 const HUGE_ROUND_THRESHOLD: usize = 64 << 20;
 const HUGE_PAGE: usize = 2 << 20;
 
+/// Bytes of physical memory free right now (`sysconf(_SC_AVPHYS_PAGES)`), or `usize::MAX` when
+/// the system does not say.
+fn available_memory() -> usize {
+    // SAFETY: plain queries without preconditions.
+    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_AVPHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    if pages > 0 && size > 0 {
+        (pages as usize).saturating_mul(size as usize)
+    } else {
+        usize::MAX
+    }
+}
+
 /// The statistics of the contract, all in bytes or counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WorkspaceStats {
@@ -250,7 +262,10 @@ impl Workspace {
             return Ok(());
         }
         let id = self.next_region_id;
-        let region = ArenaRegion::new(id, cap, self.backend.clone(), true).map_err(|detail| {
+        // Pre-fault (so a learned cycle takes no page faults) unless the arena is larger than a
+        // quarter of the memory available now: then its pages fault in on first use instead.
+        let prefault = cap <= available_memory() / 4;
+        let region = ArenaRegion::new(id, cap, self.backend.clone(), prefault).map_err(|detail| {
             Error::SystemOutOfMemory { workspace: self.name.clone(), requested: cap as u64, detail }
         })?;
         self.next_region_id = self.next_region_id.wrapping_add(1).max(1);

@@ -660,6 +660,30 @@ impl WorkspaceCore {
         self.shared.drain_failures()
     }
 
+    /// Whether `array` (an ndarray that owns its data) holds memory of this workspace: its
+    /// handler is this workspace's and its block is in the arena or external, not a bypass block
+    /// (`helper_min_size`, debug bypass, allocations after `destroy()`).
+    fn _holds(&self, py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if !array.is_instance_of::<numpy::PyUntypedArray>() {
+            return Ok(false);
+        }
+        if !direct_arrays_supported(py) {
+            return Ok(true); // the layout is unknown: the handler's name is all there is
+        }
+        // SAFETY: `array` is a live ndarray and the layout of `ArrayFields` was checked.
+        let f = unsafe { &*(array.as_ptr() as *const ArrayFields) };
+        let Some(data) = std::ptr::NonNull::new(f.data.cast::<u8>()) else { return Ok(false) };
+        if f.mem_handler != self.capsule.as_ptr() || f.flags & NPY_ARRAY_OWNDATA == 0 {
+            return Ok(false);
+        }
+        let ws = self.shared.lock();
+        // SAFETY: NumPy allocated `data` through this workspace's handler (the array's
+        // mem_handler is our capsule and it owns its data), and the array is alive, so the block
+        // is live in this workspace.
+        let info = unsafe { ws.block_info(data) };
+        Ok(info.kind != rustws_core::BlockKind::Bypass)
+    }
+
     /// Sizes the arena now from what was learned.
     fn initialize(&self, py: Python<'_>) -> PyResult<()> {
         self.shared.lock().initialize().map_err(|e| to_py(py, e))
