@@ -87,7 +87,7 @@ def test_early_stop_and_close_stop_the_thread_promptly():
             i += 1
 
     it = AsyncPrefetch(endless(), buffer_size=2)
-    for k, x in enumerate(it):
+    for k, _x in enumerate(it):
         if k == 5:
             break
     t0 = time.perf_counter()
