@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="a training loop with and without workspaces, side by side")
     demo.add_argument("--quick", action="store_true", help="a short run (for CI)")
-    demo.add_argument("--steps", type=int, default=None, help="training steps per run")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (batches) per epoch")
+    demo.add_argument("--out", default="demo-results", help="folder for the memory timeline PNG")
     bench = sub.add_parser(
         "bench", help="side-by-side allocator benchmarks (each variant in a fresh process)"
     )
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from ._demo import run_demo
 
-        return run_demo(quick=args.quick, steps=args.steps)
+        return run_demo(quick=args.quick, steps=args.steps, out=args.out)
     from ._bench import run_bench
 
     return run_bench(quick=args.quick, workloads=args.workloads, repeats=args.repeats, out=args.out)

@@ -1,140 +1,262 @@
 """The demo: a NumPy MLP (two hidden layers, softmax, SGD with momentum) trained twice from the same
-seed, once plainly and once with every step's temporaries captured by a workspace. Each training
-runs in a fresh process so that page faults and peak RSS are its own; the losses must be identical.
+seed: once plainly, once with workspaces (a ``LayerWorkspaceMgr`` placing activations, gradients
+and working memory, capture of every temporary, and ``AsyncPrefetch`` feeding the batches). Each
+training runs in a fresh process so that its page faults and peak RSS are its own; the losses must
+be identical.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ._progress import progress
 
-FEATURES, HIDDEN, CLASSES, BATCH = 256, 1024, 10, 512
+HIDDEN = 512
+TYPES = ("ACTIVATIONS", "ACTIVATION_GRAD", "FF_WORKING_MEM", "BP_WORKING_MEM", "UPDATER_WORKING_MEM")
 
 
-def _dataset(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Gaussian clusters, one per class: learnable, generated, no download."""
-    centers = rng.normal(0, 1.0, (CLASSES, FEATURES)).astype(np.float32)
-    y = rng.integers(0, CLASSES, n)
-    x = centers[y] + rng.normal(0, 2.0, (n, FEATURES)).astype(np.float32)
-    return x, y
+def _dataset(seed: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """scikit-learn's bundled digits when installed, else generated clusters (no download)."""
+    try:
+        from sklearn.datasets import load_digits  # type: ignore[import-not-found]
+
+        d = load_digits()
+        x = (d.data / 16.0).astype(np.float32)
+        x = np.tile(x, (4, 1)) + np.random.default_rng(seed).normal(0, 0.05, (4 * len(x), x.shape[1]))
+        return x.astype(np.float32), np.tile(d.target, 4), "scikit-learn digits (x4, jittered)"
+    except ImportError:
+        rng = np.random.default_rng(seed)
+        centers = rng.normal(0, 1.0, (10, 64)).astype(np.float32)
+        y = rng.integers(0, 10, 8192)
+        x = centers[y] + rng.normal(0, 3.0, (len(y), 64)).astype(np.float32)
+        return x, y, "generated clusters (64 features, 10 classes)"
 
 
-def _init(rng: np.random.Generator) -> list[np.ndarray]:
-    def layer(i: int, o: int) -> list[np.ndarray]:
-        return [(rng.standard_normal((i, o)) * np.sqrt(2.0 / i)).astype(np.float32), np.zeros(o, np.float32)]
+class _Plain:
+    """Memory placement for the plain run: everything in ordinary memory, no scopes."""
 
-    return layer(FEATURES, HIDDEN) + layer(HIDDEN, HIDDEN) + layer(HIDDEN, CLASSES)
+    def scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def place(self, name: str, a: np.ndarray) -> np.ndarray:
+        return a
 
 
-def _step(params: list[np.ndarray], vel: list[np.ndarray], x: np.ndarray, y: np.ndarray, lr: float) -> float:
+class _Managed:
+    """Memory placement through a LayerWorkspaceMgr: each ArrayType in its own workspace."""
+
+    def __init__(self) -> None:
+        from . import ArrayType, LayerWorkspaceMgr, SpillPolicy, WorkspaceConfiguration
+
+        cfg = WorkspaceConfiguration(policy_spill=SpillPolicy.REALLOCATE)
+        b = LayerWorkspaceMgr.builder()
+        for t in TYPES:
+            b = b.with_(ArrayType[t], t, cfg)
+        self.mgr = b.default_no_workspace().build()
+        self.types = ArrayType
+
+    def scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        return self.mgr.notify_scope_entered(self.types[name])
+
+    def place(self, name: str, a: np.ndarray) -> np.ndarray:
+        return self.mgr.leverage_to(self.types[name], a)
+
+
+def _step(params: list[np.ndarray], vel: list[np.ndarray], x: np.ndarray, y: np.ndarray, mem: Any) -> float:
     w1, b1, w2, b2, w3, b3 = params
-    h1 = np.maximum(x @ w1 + b1, 0)
-    h2 = np.maximum(h1 @ w2 + b2, 0)
-    logits = h2 @ w3 + b3
-    logits -= logits.max(axis=1, keepdims=True)
-    p = np.exp(logits)
-    p /= p.sum(axis=1, keepdims=True)
     n = len(y)
-    loss = float(-np.log(p[np.arange(n), y] + 1e-12).mean())
-    d = p
-    d[np.arange(n), y] -= 1
-    d /= n
-    g3, gb3 = h2.T @ d, d.sum(0)
-    d2 = (d @ w3.T) * (h2 > 0)
-    g2, gb2 = h1.T @ d2, d2.sum(0)
-    d1 = (d2 @ w2.T) * (h1 > 0)
-    g1, gb1 = x.T @ d1, d1.sum(0)
-    for param, v, g in zip(params, vel, (g1, gb1, g2, gb2, g3, gb3), strict=True):
-        v *= 0.9
-        v -= lr * g
-        param += v
+    with mem.scope("ACTIVATIONS"), mem.scope("ACTIVATION_GRAD"):
+        with mem.scope("FF_WORKING_MEM"):
+            h1 = mem.place("ACTIVATIONS", np.maximum(x @ w1 + b1, 0))
+            h2 = mem.place("ACTIVATIONS", np.maximum(h1 @ w2 + b2, 0))
+            logits = h2 @ w3 + b3
+            logits -= logits.max(axis=1, keepdims=True)
+            p = np.exp(logits)
+            p /= p.sum(axis=1, keepdims=True)
+            loss = float(-np.log(p[np.arange(n), y] + 1e-12).mean())
+            d = mem.place("ACTIVATION_GRAD", p)
+        with mem.scope("BP_WORKING_MEM"):
+            d[np.arange(n), y] -= 1
+            d /= n
+            grads = [h2.T @ d, d.sum(0)]
+            d2 = mem.place("ACTIVATION_GRAD", (d @ w3.T) * (h2 > 0))
+            grads = [h1.T @ d2, d2.sum(0), *grads]
+            d1 = (d2 @ w2.T) * (h1 > 0)
+            grads = [x.T @ d1, d1.sum(0), *grads]
+            grads = [mem.place("ACTIVATION_GRAD", g) for g in grads]
+        with mem.scope("UPDATER_WORKING_MEM"):
+            for param, v, g in zip(params, vel, grads, strict=True):
+                v *= 0.9
+                v -= 0.05 * g
+                param += v
+        # Nothing of this step outlives its cycles: the workspaces rewind without pinning.
+        del h1, h2, logits, p, d, d1, d2, grads, g
     return loss
 
 
-def _train(variant: str, steps: int, seed: int) -> dict[str, Any]:
+def _batches(
+    x: np.ndarray, y: np.ndarray, batch: int, order: np.ndarray
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    for i in range(0, len(order) - batch + 1, batch):
+        idx = order[i : i + batch]
+        yield x[idx], y[idx]
+
+
+def _train(variant: str, epochs: int, batches_per_epoch: int, seed: int) -> dict[str, Any]:
     import rustws
 
+    x, y, source = _dataset(seed)
+    batch = max(32, len(x) // batches_per_epoch)
     rng = np.random.default_rng(seed)
-    x, y = _dataset(rng, BATCH * 8)
-    params = _init(rng)
+    dims = [x.shape[1], HIDDEN, HIDDEN, 10]
+    params: list[np.ndarray] = []
+    for i, o in itertools.pairwise(dims):
+        params += [
+            (rng.standard_normal((i, o)) * np.sqrt(2.0 / i)).astype(np.float32),
+            np.zeros(o, np.float32),
+        ]
     vel = [np.zeros_like(p) for p in params]
-    ws = rustws.workspace("TRAIN") if variant == "rustws" else None
-    losses, times = [], []
-    faults = []
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    for step in range(steps):
-        b = step % 8
-        xb, yb = x[b * BATCH : (b + 1) * BATCH], y[b * BATCH : (b + 1) * BATCH]
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    mem: Any = _Managed() if variant == "rustws" else _Plain()
+    losses: list[float] = []
+    epoch_times: list[float] = []
+    timeline: list[dict[str, int]] = []
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for epoch in range(epochs):
+        order = np.random.default_rng(seed + epoch).permutation(len(x))
+        feed = _batches(x, y, batch, order)
         t0 = time.perf_counter()
-        with ws if ws is not None else contextlib.nullcontext():
-            losses.append(_step(params, vel, xb, yb, 0.05))
-        times.append(time.perf_counter() - t0)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        with (
+            rustws.AsyncPrefetch(feed, buffer_size=4)
+            if variant == "rustws"
+            else contextlib.nullcontext(feed) as it
+        ):
+            for xb, yb in it:
+                losses.append(_step(params, vel, xb, yb, mem))
+                if variant == "rustws":
+                    kinds = {"peak in use": 0, "arena": 0, "pinned": 0}
+                    for t in TYPES:
+                        s = mem.mgr.workspace_for(mem.types[t]).stats()
+                        kinds["peak in use"] += s.peak_cycle_bytes
+                        kinds["arena"] += s.capacity_bytes
+                        kinds["pinned"] += s.pinned_bytes
+                    timeline.append(kinds)
+        epoch_times.append(time.perf_counter() - t0)
+        print(f"PROGRESS {epoch + 1}/{epochs}", file=sys.stderr, flush=True)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     out: dict[str, Any] = {
         "variant": variant,
+        "source": source,
+        "batch": batch,
         "losses": losses,
-        "step_median_s": float(np.median(times[2:])),
-        "faults_per_step": float(np.median(faults[2:])),
-        "faults_total": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - usage.ru_minflt,
-        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "epoch_s": epoch_times,
+        "faults": usage.ru_minflt - f0,
+        "steps": len(losses),
+        "peak_rss_kib": usage.ru_maxrss,
+        "timeline": timeline,
     }
-    if ws is not None:
-        out["stats"] = ws.stats().as_dict()
+    if variant == "rustws":
+        out["per_type"] = {
+            t: {
+                "peak_bytes": mem.mgr.peak_stats()[mem.types[t]],
+                **mem.mgr.workspace_for(mem.types[t]).stats().as_dict(),
+            }
+            for t in TYPES
+        }
     return out
 
 
-def run_demo(quick: bool = False, steps: int | None = None) -> int:
+def _run_variant(variant: str, epochs: int, batches: int) -> dict[str, Any]:
+    code = f"import json, rustws._demo as d; print(json.dumps(d._train({variant!r}, {epochs}, {batches}, 7)))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+    )
+    assert proc.stderr is not None and proc.stdout is not None
+    errors = []
+    for line in proc.stderr:
+        if line.startswith("PROGRESS "):
+            done, total = map(int, line.split()[1].split("/"))
+            progress(f"{variant}: epoch {done}/{total}", done, total, sys.stdout)
+        else:
+            errors.append(line)
+    out = proc.stdout.read()
+    if proc.wait() != 0:
+        raise RuntimeError(f"{variant} training failed:\n{''.join(errors)}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _timeline_png(timeline: list[dict[str, int]], path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'rustws[plots]'): no memory timeline written"
+    steps = list(range(1, len(timeline) + 1))
+    mib = {k: [t[k] / 2**20 for t in timeline] for k in timeline[0]} if timeline else {}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    if timeline:
+        ax.fill_between(steps, 0, mib["arena"], step="mid", alpha=0.3, label="arena capacity (pre-faulted)")
+        ax.step(steps, mib["peak in use"], where="mid", label="peak in use during the cycle")
+        ax.step(steps, mib["pinned"], where="mid", label="pinned after the cycle")
+    ax.set_xlabel("cycle (training step); the first is served outside the arena while learning")
+    ax.set_ylabel("MiB, all ArrayType workspaces")
+    ax.set_title("rustws demo: workspace memory per cycle")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return f"memory timeline: {path}"
+
+
+def run_demo(quick: bool = False, steps: int | None = None, out: str = "demo-results") -> int:
     from ._workspace import _fmt_bytes
 
-    n = steps if steps is not None else (12 if quick else 60)
-    if n < 3:
-        print("demo: --steps must be at least 3", file=sys.stderr)
+    epochs = 2 if quick else 10
+    batches = steps if steps is not None else 6
+    if batches < 2:
+        print("demo: --steps (batches per epoch) must be at least 2", file=sys.stderr)
         return 2
-    print(
-        f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch {BATCH}, {n} steps of SGD with momentum, float32"
-    )
-    results = {}
-    variants = ["numpy", "rustws"]
-    for i, variant in enumerate(variants):
-        progress(f"training: {variant}", i, len(variants), sys.stdout)
-        code = f"import json, rustws._demo as d; print(json.dumps(d._train({variant!r}, {n}, 7)))"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"\n{variant} run failed:\n{proc.stderr}", file=sys.stderr)
-            return 1
-        results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
-        progress(f"training: {variant}", i + 1, len(variants), sys.stdout)
+    results = {v: _run_variant(v, epochs, batches) for v in ("numpy", "rustws")}
     base, ws = results["numpy"], results["rustws"]
-    same = base["losses"] == ws["losses"]
-    print(f"{'':10}{'step (median)':>15}{'faults/step':>13}{'peak RSS':>12}{'final loss':>12}")
-    for v in variants:
-        r = results[v]
-        print(
-            f"{v:10}{r['step_median_s'] * 1e3:>12.2f} ms{r['faults_per_step']:>13.0f}"
-            f"{_fmt_bytes(r['peak_rss_kib'] * 1024):>12}{r['losses'][-1]:>12.4f}"
-        )
-    print(f"speed-up: {base['step_median_s'] / ws['step_median_s']:.2f}x; losses identical: {same}")
-    s = ws["stats"]
     print(
-        "workspace TRAIN: "
-        + ", ".join(
-            f"{k}={_fmt_bytes(v) if k.endswith('_bytes') else v}"
-            for k, v in s.items()
-            if v or k == "spill_count"
-        )
+        f"MLP in-{HIDDEN}-{HIDDEN}-10, batch {base['batch']}, on {base['source']}: "
+        f"{epochs} epochs of {batches} steps"
     )
+    same = base["losses"] == ws["losses"]
+    print(
+        f"\n{'':8}{'epoch (median)':>16}{'faults/step':>13}{'peak RSS':>12}"
+        f"{'first loss':>12}{'last loss':>11}"
+    )
+    for v, r in results.items():
+        print(
+            f"{v:8}{np.median(r['epoch_s']) * 1e3:>13.1f} ms{r['faults'] / r['steps']:>13.1f}"
+            f"{_fmt_bytes(r['peak_rss_kib'] * 1024):>12}{r['losses'][0]:>12.4f}{r['losses'][-1]:>11.4f}"
+        )
+    speed = np.median(base["epoch_s"]) / np.median(ws["epoch_s"])
+    print(f"speed-up {speed:.2f}x; losses identical in all {len(base['losses'])} steps: {same}")
+    print(f"\n{'ArrayType':22}{'peak live':>11}{'capacity':>11}{'cycles':>8}{'spills':>8}")
+    for t, s in ws["per_type"].items():
+        print(
+            f"{t:22}{_fmt_bytes(s['peak_bytes']):>11}{_fmt_bytes(s['capacity_bytes']):>11}"
+            f"{s['cycles']:>8}{s['spill_count']:>8}"
+        )
+    grad = (
+        ws["per_type"]["ACTIVATION_GRAD"]["peak_bytes"] + ws["per_type"]["UPDATER_WORKING_MEM"]["peak_bytes"]
+    )
+    print(f"gradient memory (ACTIVATION_GRAD + UPDATER_WORKING_MEM): {_fmt_bytes(grad)}")
+    os.makedirs(out, exist_ok=True)
+    print(_timeline_png(ws["timeline"], os.path.join(out, "memory-timeline.png")))
+    if not same:
+        print("ERROR: the two trainings diverged", file=sys.stderr)
     return 0 if same else 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run_demo(quick="--quick" in sys.argv))
