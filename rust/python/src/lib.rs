@@ -296,16 +296,46 @@ fn extract_dim(item: &Bound<'_, PyAny>) -> PyResult<npy_intp> {
         .map_err(|_| PyTypeError::new_err(format!("shape entries must be ints, got {}", type_name(item))))
 }
 
-/// A shape: an int or a sequence of ints. Tuples (the common case) are read without detours.
-fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Vec<npy_intp>> {
-    if let Ok(t) = shape.cast::<PyTuple>() {
-        if t.len() > 64 {
-            return Err(PyValueError::new_err("shape has more than 64 dimensions"));
+/// The most dimensions an array may have (NumPy 2's limit; NumPy 1 refuses more than 32 itself).
+const MAX_DIMS: usize = 64;
+
+/// A shape on the stack: allocation-free for the hot path.
+struct Dims {
+    buf: [npy_intp; MAX_DIMS],
+    len: usize,
+}
+
+impl Dims {
+    fn new() -> Self {
+        Dims { buf: [0; MAX_DIMS], len: 0 }
+    }
+
+    fn push(&mut self, d: npy_intp) -> PyResult<()> {
+        if self.len == MAX_DIMS {
+            return Err(PyValueError::new_err(format!("shape has more than {MAX_DIMS} dimensions")));
         }
-        return t.iter().map(|item| extract_dim(&item)).collect();
+        self.buf[self.len] = d;
+        self.len += 1;
+        Ok(())
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [npy_intp] {
+        &mut self.buf[..self.len]
+    }
+}
+
+/// A shape: an int or a sequence of ints. Tuples (the common case) are read without detours.
+fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
+    let mut dims = Dims::new();
+    if let Ok(t) = shape.cast::<PyTuple>() {
+        for item in t.iter() {
+            dims.push(extract_dim(&item)?)?;
+        }
+        return Ok(dims);
     }
     if shape.is_instance_of::<PyInt>() {
-        return Ok(vec![extract_dim(shape)?]);
+        dims.push(extract_dim(shape)?)?;
+        return Ok(dims);
     }
     if shape.is_instance_of::<PyString>() || shape.is_instance_of::<pyo3::types::PyBytes>() {
         return Err(PyTypeError::new_err(format!(
@@ -314,17 +344,14 @@ fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Vec<npy_intp>> {
         )));
     }
     if shape.hasattr("__index__")? && !shape.hasattr("__len__")? {
-        return Ok(vec![extract_dim(shape)?]);
+        dims.push(extract_dim(shape)?)?;
+        return Ok(dims);
     }
     let iter = shape.try_iter().map_err(|_| {
         PyTypeError::new_err(format!("shape must be an int or a sequence of ints, got {}", type_name(shape)))
     })?;
-    let mut dims = Vec::new();
     for item in iter {
-        dims.push(extract_dim(&item?)?);
-        if dims.len() > 64 {
-            return Err(PyValueError::new_err("shape has more than 64 dimensions"));
-        }
+        dims.push(extract_dim(&item?)?)?;
     }
     Ok(dims)
 }
@@ -405,7 +432,8 @@ impl WorkspaceCore {
         order: &str,
         zeroed: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let mut dims = extract_shape(shape)?;
+        let mut shape = extract_shape(shape)?;
+        let dims = shape.as_mut_slice();
         let descr = extract_descr(py, dtype)?;
         let fortran = match order {
             "C" | "c" => 0,
@@ -417,7 +445,7 @@ impl WorkspaceCore {
         }
         let capsule = self.capsule.bind(py);
         if !self.bypass && descr.itemsize() > 0 && direct_arrays_supported(py) {
-            return self.new_array_direct(py, &mut dims, descr, fortran, zeroed);
+            return self.new_array_direct(py, dims, descr, fortran, zeroed);
         }
         // Through NumPy's allocation path, with the right handler current.
         let current = handler::get_handler(py)?;
