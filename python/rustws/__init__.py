@@ -8,7 +8,7 @@ references it.
 
 from __future__ import annotations
 
-from . import _rustws
+from . import _rustws, cuda
 from ._config import (
     AllocationPolicy,
     ArrayType,
@@ -23,6 +23,7 @@ from ._config import (
     WorkspaceMode,
     WorkspaceStats,
 )
+from ._dispose import DisposeScope, DisposeStatistics, dispose_scope, dispose_statistics
 from ._errors import (
     DeviceUnavailableError,
     DisposedArrayError,
@@ -36,6 +37,7 @@ from ._errors import (
 from ._layers import LayerWorkspaceMgr, LayerWorkspaceMgrBuilder
 from ._pipeline import AsyncPrefetch, AsyncShield, gc_window, set_auto_gc_window, toggle_periodic_gc
 from ._workspace import (
+    DeviceWorkspace,
     Workspace,
     current_workspace,
     destroy_all_workspaces_for_current_thread,
@@ -49,6 +51,7 @@ from ._workspace import (
     workspace,
     workspaces,
 )
+from .cuda import DeviceArray
 
 __version__: str = _rustws.__version__
 
@@ -58,7 +61,11 @@ __all__ = [
     "AsyncPrefetch",
     "AsyncShield",
     "DebugMode",
+    "DeviceArray",
     "DeviceUnavailableError",
+    "DeviceWorkspace",
+    "DisposeScope",
+    "DisposeStatistics",
     "DisposedArrayError",
     "LayerWorkspaceMgr",
     "LayerWorkspaceMgrBuilder",
@@ -79,9 +86,12 @@ __all__ = [
     "WorkspaceOutOfMemory",
     "WorkspaceStats",
     "__version__",
+    "cuda",
     "current_workspace",
     "destroy_all_workspaces_for_current_thread",
     "detach",
+    "dispose_scope",
+    "dispose_statistics",
     "gc_window",
     "get_and_activate_workspace",
     "get_workspace",

@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - NumPy 1.x
     from numpy.core.multiarray import get_handler_name as _get_handler_name
 
 __all__ = [
+    "DeviceWorkspace",
     "Workspace",
     "current_workspace",
     "destroy_all_workspaces_for_current_thread",
@@ -101,19 +102,19 @@ class Workspace(_rustws.WorkspaceCore):
         """A new array over workspace memory filled with ``fill_value``."""
         if dtype is None:
             dtype = np.array(fill_value).dtype
-        a = self.empty(shape, dtype, order)
+        a = _rustws.WorkspaceCore.empty(self, shape, dtype, order)
         a.fill(fill_value)
         return a
 
     def empty_like(self, a: Any, dtype: Any = None) -> np.ndarray:
         a = np.asarray(a)
         order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-        return self.empty(a.shape, a.dtype if dtype is None else dtype, order)
+        return _rustws.WorkspaceCore.empty(self, a.shape, a.dtype if dtype is None else dtype, order)
 
     def zeros_like(self, a: Any, dtype: Any = None) -> np.ndarray:
         a = np.asarray(a)
         order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-        return self.zeros(a.shape, a.dtype if dtype is None else dtype, order)
+        return _rustws.WorkspaceCore.zeros(self, a.shape, a.dtype if dtype is None else dtype, order)
 
     # -- state --------------------------------------------------------------------------------
     def stats(self) -> WorkspaceStats:
@@ -148,22 +149,47 @@ def _check_config(config: Any) -> WorkspaceConfiguration | None:
     raise TypeError(f"config must be a WorkspaceConfiguration, a dict or None, got {type(config).__name__}")
 
 
-def _check_device(device: Any) -> str:
-    from ._errors import DeviceUnavailableError
-
+def _check_device(device: Any) -> tuple[str, int | None]:
+    """The normalised device and its CUDA ordinal (None for the host)."""
     if not isinstance(device, str):
         raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     d = device.strip().lower()
     if d == "cpu":
-        return "cpu"
+        return "cpu", None
     if d == "cuda" or d.startswith("cuda:"):
         ordinal = d[5:] or "0"
         if not ordinal.isdigit():
             raise ValueError(f"invalid device {device!r}: the ordinal must be a non-negative int")
-        raise DeviceUnavailableError(
-            f"device {device!r}: this build of rustws serves host workspaces only (no CUDA backend)"
-        )
+        return f"cuda:{int(ordinal)}", int(ordinal)
     raise ValueError(f"invalid device {device!r}: expected 'cpu' or 'cuda:N'")
+
+
+class DeviceWorkspace(Workspace):
+    """A device workspace. Without a usable GPU (always, in this build) its memory is host memory
+    and its arrays are host-backed ``DeviceArray``s with ``device == "cpu"``."""
+
+    requested_device: str
+    fallback_reason: str | None
+
+    def _wrap(self, host: np.ndarray) -> Any:
+        from .cuda import DeviceArray
+
+        return DeviceArray(host, self, self.device)
+
+    def empty(self, shape: Any, dtype: Any = None, order: str = "C") -> Any:
+        return self._wrap(Workspace.empty(self, shape, dtype, order))
+
+    def zeros(self, shape: Any, dtype: Any = None, order: str = "C") -> Any:
+        return self._wrap(Workspace.zeros(self, shape, dtype, order))
+
+    def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> Any:
+        return self._wrap(Workspace.full(self, shape, fill_value, dtype, order))
+
+    def empty_like(self, a: Any, dtype: Any = None) -> Any:
+        return self._wrap(Workspace.empty_like(self, np.asarray(a), dtype))
+
+    def zeros_like(self, a: Any, dtype: Any = None) -> Any:
+        return self._wrap(Workspace.zeros_like(self, np.asarray(a), dtype))
 
 
 def workspace(
@@ -180,13 +206,13 @@ def workspace(
     """
     name = _check_name(name)
     cfg = _check_config(config)
-    dev = _check_device(device)
+    dev, ordinal = _check_device(device)
     if not isinstance(capture, bool):
         raise TypeError(f"capture must be a bool, got {type(capture).__name__}")
     reg = _registry()
     ws = reg.get(name)
     if ws is not None and not ws.is_destroyed:
-        if (cfg is None or cfg == ws.config) and dev == ws.device:
+        if (cfg is None or cfg == ws.config) and dev == getattr(ws, "requested_device", ws.device):
             ws.capture = capture
             return ws
         if ws.is_open:
@@ -196,8 +222,21 @@ def workspace(
             )
         ws.destroy()
     cfg = cfg if cfg is not None else WorkspaceConfiguration()
-    ws = Workspace(name, cfg._core_dict())
-    ws._setup(cfg, dev, capture)
+    if ordinal is None:
+        ws = Workspace(name, cfg._core_dict())
+        ws._setup(cfg, dev, capture)
+    else:
+        from .cuda import _fallback_or_raise
+
+        reason = _fallback_or_raise(dev, ordinal, cfg.helper_allow_fallback)
+        warnings.warn(
+            f"workspace {name!r}: device {dev!r} is unavailable ({reason}); falling back to host memory",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        ws = DeviceWorkspace(name, cfg._core_dict())
+        ws._setup(cfg, "cpu", capture)
+        ws.requested_device, ws.fallback_reason = dev, reason
     ws._registry = reg
     reg[name] = ws
     _BY_ID[ws.id] = ws
@@ -267,6 +306,10 @@ def leverage_to(name: str, a: Any, *, enforce_existence: bool = False) -> Any:
 
 def owner(a: Any) -> Workspace | None:
     """The workspace whose memory holds ``a`` (following ``.base``), else None."""
+    from .cuda import DeviceArray
+
+    if isinstance(a, DeviceArray):
+        return None if a.is_disposed else owner(a._array())
     base = a
     while isinstance(base, np.ndarray) and not base.flags.owndata and base.base is not None:
         base = base.base

@@ -1,0 +1,118 @@
+"""Device workspaces without a usable GPU: the strict refusal with its reason, the host fallback
+with DeviceArrays, and zero-copy exchange through DLPack and the array interface."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rustws
+from rustws import DeviceArray, DisposedArrayError, WorkspaceConfiguration
+
+CFG = WorkspaceConfiguration(initial_size="1MiB")
+NO_GPU = not rustws.cuda.is_available()
+
+
+def fallback(name="DEV", cfg=CFG, device="cuda:0"):
+    with pytest.warns(RuntimeWarning, match="falling back to host memory"):
+        return rustws.workspace(name, cfg, device=device)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="a usable GPU is present")
+def test_no_gpu_means_not_available_with_a_reason():
+    assert rustws.cuda.is_available() is False
+    reason = rustws.cuda.unavailable_reason(0)
+    assert reason and ("driver" in reason or "device" in reason or "backend" in reason)
+    assert rustws.cuda.device_count() >= 0
+
+
+@pytest.mark.skipif(not NO_GPU, reason="a usable GPU is present")
+def test_strict_device_workspaces_raise_with_the_reason():
+    strict = CFG.replace(helper_allow_fallback=False)
+    with pytest.raises(rustws.DeviceUnavailableError, match=r"'cuda:1' is unavailable: .+"):
+        rustws.workspace("STRICT", strict, device="cuda:1")
+    assert rustws.get_workspace("STRICT") is None
+
+
+@pytest.mark.parametrize("device", ["cuda:x", "cuda:-1", "gpu", "cuda0"])
+def test_bad_device_strings(device):
+    with pytest.raises(ValueError, match="device"):
+        rustws.workspace("BAD", CFG, device=device)
+
+
+def test_fallback_runs_a_numpy_program_unchanged():
+    ws = fallback()
+    assert isinstance(ws, rustws.DeviceWorkspace)
+    assert ws.device == "cpu" and ws.requested_device == "cuda:0" and ws.fallback_reason
+    assert rustws.workspace("DEV", CFG, device="cuda:0") is ws  # same request, same workspace
+    with ws:
+        x = ws.full((4, 3), 2.0, np.float32)
+        w = rustws.cuda.asarray(np.arange(12, dtype=np.float32).reshape(3, 4), ws)
+        assert isinstance(x, DeviceArray) and x.device == "cpu"
+        y = np.asarray(x) @ np.asarray(w)
+        np.testing.assert_array_equal(y, np.full((4, 3), 2.0) @ np.arange(12).reshape(3, 4))
+        z = ws.zeros(5, np.int64)
+        assert not np.asarray(z).any()
+        e = ws.empty_like(np.ones((2, 2)))
+        assert e.shape == (2, 2) and e.dtype == np.float64
+    assert rustws.owner(x) is ws
+    assert x.shape == (4, 3) and x.dtype == np.float32 and x.strides == (12, 4) and x.nbytes == 48
+    assert x.ndim == 2 and x.size == 12 and x.ptr == np.asarray(x).ctypes.data
+    assert not hasattr(x, "__cuda_array_interface__")
+    assert "DeviceArray(shape=(4, 3)" in repr(x)
+
+
+def test_dlpack_and_array_interface_are_zero_copy():
+    ws = fallback()
+    with ws:
+        a = ws.full(10, 1.0)
+    assert a.__dlpack_device__() == (1, 0)
+    via_dlpack = np.from_dlpack(a)
+    via_interface = np.asarray(a)
+    assert np.shares_memory(via_dlpack, via_interface)
+    via_dlpack[3] = 42.0
+    assert np.asarray(a)[3] == 42.0
+    with pytest.raises(BufferError):
+        a.__dlpack__(dl_device=(2, 0))
+    with pytest.raises(BufferError):
+        a.__dlpack__(stream=5)
+
+
+def test_to_numpy_copy_from_and_dispose():
+    ws = fallback()
+    with ws:
+        a = ws.zeros(4)
+    a.copy_from([1, 2, 3, 4])
+    host = a.to_numpy()
+    assert rustws.owner(host) is None
+    host[0] = 99
+    assert np.asarray(a)[0] == 1
+    with pytest.raises(ValueError, match="shape"):
+        a.copy_from(np.ones(5))
+    a.dispose()
+    a.dispose()  # idempotent
+    assert a.is_disposed and rustws.owner(a) is None
+    for use in (lambda: a.shape, lambda: np.asarray(a), lambda: a.to_numpy(), lambda: a.__dlpack__()):
+        with pytest.raises(DisposedArrayError):
+            use()
+    assert "disposed" in repr(a)
+
+
+def test_exported_views_outlive_dispose():
+    ws = fallback()
+    with ws:
+        a = ws.full(1000, 7.0)
+    view = np.from_dlpack(a)
+    a.dispose()
+    with ws:
+        ws.full(1000, -1.0)  # the freed block may not be reused while the view lives
+    assert (view == 7.0).all()
+
+
+def test_asarray_needs_a_workspace():
+    with pytest.raises(TypeError):
+        rustws.cuda.asarray([1, 2], "DEV")
+    host_ws = rustws.workspace("HOST", CFG)
+    with host_ws:
+        d = rustws.cuda.asarray([1, 2], host_ws)
+    assert isinstance(d, DeviceArray) and d.device == "cpu"
