@@ -138,3 +138,13 @@ def test_stats_count_live_bytes_per_type():
         gc.collect()
     assert m.stats()[ArrayType.ACTIVATIONS] == 0
     assert m.peak_stats()[ArrayType.ACTIVATIONS] == 800
+
+
+def test_workspace_mode_selects_a_manager():
+    enabled = LayerWorkspaceMgr.for_mode(rustws.WorkspaceMode.SEPARATE, CFG)  # deprecated alias of ENABLED
+    assert enabled.workspace_name(ArrayType.ACTIVATIONS) == "LAYER_ACTIVATIONS"
+    assert enabled.is_scoped_out(ArrayType.INPUT)
+    none = LayerWorkspaceMgr.for_mode("NONE")
+    assert all(none.is_scoped_out(t) for t in ArrayType)
+    with pytest.raises(ValueError, match="mode"):
+        LayerWorkspaceMgr.for_mode("SOMETIMES")

@@ -101,6 +101,23 @@ class LayerWorkspaceMgr:
         """A manager that keeps every type in ordinary memory."""
         return LayerWorkspaceMgr(dict.fromkeys(ArrayType))
 
+    @staticmethod
+    def for_mode(
+        mode: Any, config: WorkspaceConfiguration | None = None, prefix: str = "LAYER"
+    ) -> LayerWorkspaceMgr:
+        """DL4J's ``WorkspaceMode``: ENABLED gives every ArrayType but INPUT a workspace of its own
+        (``<prefix>_<TYPE>``, all with ``config``); NONE gives ``no_workspaces()``."""
+        from ._config import WorkspaceMode
+
+        mode = WorkspaceMode.coerce(mode, "mode")
+        if mode is WorkspaceMode.NONE:
+            return LayerWorkspaceMgr.no_workspaces()
+        b = LayerWorkspaceMgr.builder().no_workspace_for(ArrayType.INPUT)
+        for t in ArrayType:
+            if t is not ArrayType.INPUT:
+                b = b.with_(t, f"{prefix}_{t.name}", config)
+        return b.build()
+
     def __repr__(self) -> str:
         parts = [f"{t.name}={(tgt[0] if tgt else None)!r}" for t, tgt in self._targets.items()]
         return f"LayerWorkspaceMgr({', '.join(parts)})"
