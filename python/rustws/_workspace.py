@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _rustws
 from ._config import WorkspaceConfiguration, WorkspaceStats
-from ._errors import LeakedArrayError, NoSuchWorkspaceError
+from ._errors import LeakedArrayError, NoSuchWorkspaceError, WorkspaceClosedError
 
 try:  # NumPy 2
     from numpy._core.multiarray import get_handler_name as _get_handler_name
@@ -89,7 +89,7 @@ class Workspace(_rustws.WorkspaceCore):
     def borrow(self) -> Iterator[Workspace]:
         """Makes this workspace current (and capturing) without opening a new cycle."""
         if self.is_destroyed:
-            self._enter()  # raises WorkspaceClosedError
+            raise WorkspaceClosedError(f"workspace {self.name!r} was destroyed")
         install = self.capture and self.debug_mode_name != "BYPASS_EVERYTHING"
         _rustws.push_scope(self, install, self.handler)
         try:

@@ -660,11 +660,6 @@ impl WorkspaceCore {
         Ok(false)
     }
 
-    /// Opens a cycle level without touching scopes (for tests of the core's nesting).
-    fn _enter(&self, py: Python<'_>) -> PyResult<()> {
-        self.shared.lock().enter().map_err(|e| to_py(py, e))
-    }
-
     /// The statistics as a tuple in the order of `WorkspaceStats`' fields.
     fn _stats(&self) -> (u64, u64, u64, u64, u64, u64, u64, u64, u64, u64, u64) {
         let s = self.shared.lock().stats();
