@@ -251,6 +251,22 @@ impl ArenaRegion {
         ok
     }
 
+    /// The end of the run of freed blocks that starts at `pos` (at most the chain end); None when
+    /// a header on the way is implausible.
+    fn free_run_end(&self, mut pos: usize) -> Option<usize> {
+        while pos < self.top {
+            let h = self.header_at(pos);
+            if !self.plausible(pos, h) {
+                return None;
+            }
+            if h.is_live() {
+                break;
+            }
+            pos += h.slot;
+        }
+        Some(pos)
+    }
+
     /// Walks the chain from the end of the last hole for a run of at least `need` free bytes,
     /// wrapping to the start once when enough has been freed since the last fruitless walk.
     fn find_hole(&mut self, need: usize) -> bool {
@@ -294,13 +310,8 @@ impl ArenaRegion {
             }
             extending = false;
             let run_start = pos;
-            while pos < self.top && !self.header_at(pos).is_live() {
-                let h = self.header_at(pos);
-                if !self.plausible(pos, h) {
-                    break;
-                }
-                pos += h.slot;
-            }
+            let Some(end) = self.free_run_end(pos) else { break };
+            pos = end;
             if pos >= self.top {
                 // The run reaches the chain end: it joins the never-carved tail.
                 self.top = run_start;
@@ -417,13 +428,8 @@ impl ArenaRegion {
                 continue;
             }
             let run_start = pos;
-            while pos < self.top && !self.header_at(pos).is_live() {
-                let h = self.header_at(pos);
-                if !self.plausible(pos, h) {
-                    return;
-                }
-                pos += h.slot;
-            }
+            let Some(end) = self.free_run_end(pos) else { return };
+            pos = end;
             if pos >= self.top {
                 self.top = run_start;
                 break;
