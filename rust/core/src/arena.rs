@@ -13,7 +13,7 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::backend::{Backend, BLOCK_ALIGN};
+use crate::backend::{AnonymousMemory, Backend, BLOCK_ALIGN};
 
 /// Bytes of the header in front of every block; also the alignment of every block's data.
 pub const HEADER: usize = 64;
@@ -52,6 +52,11 @@ pub struct BlockHeader {
 const _: () = assert!(std::mem::size_of::<BlockHeader>() == HEADER);
 
 impl BlockHeader {
+    /// The header of a block just handed out.
+    pub fn live(kind: BlockKind, region: u32, slot: usize, requested: usize, generation: u64) -> Self {
+        BlockHeader { magic: MAGIC_LIVE, kind, region, slot, requested, generation }
+    }
+
     pub fn is_live(&self) -> bool {
         self.magic == MAGIC_LIVE
     }
@@ -78,14 +83,7 @@ pub unsafe fn write_live_header(
     debug_assert_eq!(at.as_ptr() as usize % BLOCK_ALIGN, 0);
     // SAFETY: the caller guarantees `at` is aligned and writable for a header.
     unsafe {
-        at.cast::<BlockHeader>().as_ptr().write(BlockHeader {
-            magic: MAGIC_LIVE,
-            kind,
-            region,
-            slot,
-            requested,
-            generation,
-        });
+        at.cast::<BlockHeader>().as_ptr().write(BlockHeader::live(kind, region, slot, requested, generation));
         at.add(HEADER)
     }
 }
@@ -100,10 +98,15 @@ pub unsafe fn header_of<'a>(data: NonNull<u8>) -> &'a mut BlockHeader {
 }
 
 /// One mapped region and its allocation state.
+///
+/// Block memory (`data`) comes from the backend. Headers live at the same offsets in `meta`: the
+/// same mapping when the CPU can touch the backend's memory, else a sparse anonymous host mapping
+/// (only pages holding headers become resident), so device memory is never read or written here.
 #[derive(Debug)]
 pub struct ArenaRegion {
     id: u32,
-    base: NonNull<u8>,
+    data: NonNull<u8>,
+    meta: NonNull<u8>,
     capacity: usize,
     backend: Arc<dyn Backend>,
     /// The current hole is `[cursor, limit)`.
@@ -131,10 +134,23 @@ impl ArenaRegion {
     /// Maps a region of `capacity` bytes (a multiple of 64) from `backend`.
     pub fn new(id: u32, capacity: usize, backend: Arc<dyn Backend>, prefault: bool) -> Result<Self, String> {
         debug_assert_eq!(capacity % BLOCK_ALIGN, 0);
-        let base = backend.map(capacity, prefault)?;
+        let data = backend.map(capacity, prefault)?;
+        let meta = if backend.host_accessible() {
+            data
+        } else {
+            match AnonymousMemory.map(capacity, false) {
+                Ok(m) => m,
+                Err(e) => {
+                    // SAFETY: mapped just above, released once, never handed out.
+                    unsafe { backend.unmap(data, capacity) };
+                    return Err(format!("no host memory for the headers of a device region: {e}"));
+                }
+            }
+        };
         Ok(ArenaRegion {
             id,
-            base,
+            data,
+            meta,
             capacity,
             backend,
             cursor: 0,
@@ -159,22 +175,40 @@ impl ArenaRegion {
         self.live_blocks
     }
 
-    /// Whether `p` points into this region.
+    /// Whether `p` points into this region's block memory.
     pub fn contains(&self, p: *const u8) -> bool {
-        let b = self.base.as_ptr() as usize;
+        let b = self.data.as_ptr() as usize;
         (b..b + self.capacity).contains(&(p as usize))
     }
 
-    /// The region's base address.
+    /// The base address of the region's block memory.
     pub fn base(&self) -> NonNull<u8> {
-        self.base
+        self.data
+    }
+
+    /// Whether headers sit in front of their blocks (the CPU can touch the block memory).
+    pub fn headers_inline(&self) -> bool {
+        self.meta == self.data
+    }
+
+    /// The header of the block whose data starts at `p`, if `p` is in this region.
+    ///
+    /// # Safety
+    /// When `p` is in the region, it is the data pointer of a live block of this region.
+    pub unsafe fn header_for(&self, p: NonNull<u8>) -> Option<NonNull<BlockHeader>> {
+        if !self.contains(p.as_ptr()) {
+            return None;
+        }
+        let off = p.as_ptr() as usize - self.data.as_ptr() as usize - HEADER;
+        // SAFETY: the caller guarantees a live block, whose header is at its offset in `meta`.
+        Some(unsafe { self.meta.add(off).cast() })
     }
 
     fn header_at(&self, off: usize) -> &BlockHeader {
         debug_assert!(off + HEADER <= self.capacity && off % BLOCK_ALIGN == 0);
         // SAFETY: `off` is below the chain end, where headers tile the region, so a header
         // written by this region lies there; the mapping is alive while `self` is.
-        unsafe { &*self.base.as_ptr().add(off).cast::<BlockHeader>() }
+        unsafe { &*self.meta.as_ptr().add(off).cast::<BlockHeader>() }
     }
 
     fn write_free_header(&mut self, off: usize, slot: usize) {
@@ -182,7 +216,7 @@ impl ArenaRegion {
         // SAFETY: `[off, off+slot)` is free memory inside the region (a closed hole or a merged
         // run of freed blocks); nothing else refers to it.
         unsafe {
-            self.base.as_ptr().add(off).cast::<BlockHeader>().write(BlockHeader {
+            self.meta.as_ptr().add(off).cast::<BlockHeader>().write(BlockHeader {
                 magic: MAGIC_FREE,
                 kind: BlockKind::Arena,
                 region: self.id,
@@ -223,8 +257,11 @@ impl ArenaRegion {
     pub unsafe fn hand_out(&mut self, off: usize, slot: usize, requested: usize, generation: u64) -> NonNull<u8> {
         self.live_blocks += 1;
         // SAFETY: `[off, off+slot)` was carved from a hole for the caller and is inside the
-        // mapping; offsets are multiples of 64 from a 64-aligned base.
-        unsafe { write_live_header(self.base.add(off), BlockKind::Arena, self.id, slot, requested, generation) }
+        // mapping; offsets are multiples of 64 from 64-aligned bases; headers go to `meta`.
+        unsafe {
+            write_live_header(self.meta.add(off), BlockKind::Arena, self.id, slot, requested, generation);
+            self.data.add(off + HEADER)
+        }
     }
 
     /// Ends the current hole: the rest of it becomes a free block in the chain.
@@ -340,7 +377,7 @@ impl ArenaRegion {
     /// `header` is the live header of a block this region handed out.
     pub unsafe fn release(&mut self, header: &mut BlockHeader) {
         debug_assert!(header.is_live() && header.region == self.id);
-        let off = (header as *mut BlockHeader as usize) - self.base.as_ptr() as usize;
+        let off = (header as *mut BlockHeader as usize) - self.meta.as_ptr() as usize;
         let slot = header.slot;
         self.live_blocks -= 1;
         header.magic = MAGIC_FREE;
@@ -412,9 +449,12 @@ impl ArenaRegion {
         let discard = |this: &Self, from: usize, to: usize| {
             let (a, b) = (from.next_multiple_of(page), to / page * page);
             if a < b {
-                // SAFETY: `[a, b)` lies inside the mapping (offsets below capacity).
-                let p = unsafe { this.base.add(a) };
+                // SAFETY: `[a, b)` lies inside both mappings (offsets below capacity).
+                let (p, m) = unsafe { (this.data.add(a), this.meta.add(a)) };
                 this.backend.discard(p, b - a);
+                if m != p {
+                    AnonymousMemory.discard(m, b - a);
+                }
             }
         };
         let mut pos = 0;
@@ -456,6 +496,11 @@ impl Drop for ArenaRegion {
         // SAFETY: the region was mapped by `backend` with this capacity and is released once,
         // here; the owning workspace drops a region only when no block in it is live, or when
         // the workspace itself is dropped (its contract: all blocks released first).
-        unsafe { self.backend.unmap(self.base, self.capacity) };
+        unsafe { self.backend.unmap(self.data, self.capacity) };
+        if self.meta != self.data {
+            // SAFETY: the header mapping was made by `AnonymousMemory` for this region, released
+            // once, here.
+            unsafe { AnonymousMemory.unmap(self.meta, self.capacity) };
+        }
     }
 }

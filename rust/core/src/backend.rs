@@ -56,6 +56,24 @@ pub trait Backend: Send + Sync + fmt::Debug {
         true
     }
 
+    /// Fills `len` bytes at `ptr` with zeros.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` lies in one live block or region of this backend, owned by the caller.
+    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: the caller guarantees the range is ours and host-accessible for host backends.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) }
+    }
+
+    /// Copies `len` bytes from `src` to `dst` (both this backend's memory, not overlapping).
+    ///
+    /// # Safety
+    /// Both ranges lie in live blocks of this backend owned by the caller and do not overlap.
+    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
+        // SAFETY: as the caller guarantees.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), len) }
+    }
+
     /// Tells the backend that `[ptr, ptr + len)` of a mapped region holds nothing of value; it
     /// may return the pages to the system (they read as zero, or their old contents, afterwards).
     /// `ptr` and `len` are page-aligned. The default keeps them.
@@ -254,6 +272,55 @@ impl Backend for HeapMemory {
     }
 }
 
+/// A host stand-in for device memory: heap memory that declares itself not host-accessible, so
+/// the arena keeps its headers elsewhere and touches it only through `zero` and `copy`. Every
+/// region and block is filled with [`OpaqueMemory::CANARY`] when handed out, so a test can prove
+/// that nothing but the owner of a block wrote into it.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct OpaqueMemory;
+
+impl OpaqueMemory {
+    pub const CANARY: u8 = 0xA5;
+}
+
+impl Backend for OpaqueMemory {
+    fn name(&self) -> &'static str {
+        "opaque (device stand-in)"
+    }
+
+    fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, String> {
+        let p = HeapMemory.map(len, prefault)?;
+        // SAFETY: freshly allocated, `len` bytes.
+        unsafe { p.as_ptr().write_bytes(Self::CANARY, len) };
+        Ok(p)
+    }
+
+    /// # Safety
+    /// As for [`Backend::unmap`].
+    unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded: our regions are HeapMemory's.
+        unsafe { HeapMemory.unmap(ptr, len) }
+    }
+
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+        let p = HeapMemory.alloc_block(len)?;
+        // SAFETY: freshly allocated, `len` bytes.
+        unsafe { p.as_ptr().write_bytes(Self::CANARY, len) };
+        Ok(p)
+    }
+
+    /// # Safety
+    /// As for [`Backend::free_block`].
+    unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded: our blocks are HeapMemory's.
+        unsafe { HeapMemory.free_block(ptr, len) }
+    }
+
+    fn host_accessible(&self) -> bool {
+        false
+    }
+}
+
 /// Refuses once the bytes it holds would exceed `limit`: failure injection for tests, and a hard
 /// cap for users (RMM's `limiting_resource_adaptor`).
 #[derive(Debug)]
@@ -329,6 +396,20 @@ impl Backend for LimitAdaptor {
 
     fn discard(&self, ptr: NonNull<u8>, len: usize) {
         self.upstream.discard(ptr, len);
+    }
+
+    /// # Safety
+    /// As for [`Backend::zero`].
+    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.zero(ptr, len) }
+    }
+
+    /// # Safety
+    /// As for [`Backend::copy`].
+    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.copy(dst, src, len) }
     }
 }
 

@@ -14,7 +14,7 @@ pub mod error;
 pub mod workspace;
 
 pub use arena::{ArenaRegion, BlockKind, HEADER};
-pub use backend::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor, BLOCK_ALIGN};
+pub use backend::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor, OpaqueMemory, BLOCK_ALIGN};
 pub use config::{
     parse_size, AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
     WorkspaceConfiguration,

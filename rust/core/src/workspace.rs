@@ -4,6 +4,7 @@
 //! statistics of the contract exact. All methods take `&mut self`: a binding that frees from
 //! several threads puts the workspace behind one lock.
 
+use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -17,6 +18,15 @@ use crate::error::Error;
 /// Arenas at least this large are rounded to whole 2 MiB huge pages.
 const HUGE_ROUND_THRESHOLD: usize = 64 << 20;
 const HUGE_PAGE: usize = 2 << 20;
+
+impl Drop for Workspace {
+    fn drop(&mut self) {
+        for (_, h) in self.outside_headers.drain() {
+            // SAFETY: each pointer owns a box leaked in `alloc_block`; reclaimed once, here.
+            drop(unsafe { Box::from_raw(h.as_ptr()) });
+        }
+    }
+}
 
 /// Bytes of physical memory free right now (`sysconf(_SC_AVPHYS_PAGES)`), or `usize::MAX` when
 /// the system does not say.
@@ -93,6 +103,11 @@ pub struct Workspace {
     config: WorkspaceConfiguration,
     debug: DebugMode,
     backend: Arc<dyn Backend>,
+    /// Whether headers sit in front of their blocks (the CPU can touch the backend's memory).
+    inline_headers: bool,
+    /// Headers of external and bypass blocks when they cannot sit in front of them, by data
+    /// address; each pointer owns its box.
+    outside_headers: HashMap<usize, NonNull<BlockHeader>>,
     region: Option<ArenaRegion>,
     retired: Vec<ArenaRegion>,
     next_region_id: u32,
@@ -153,6 +168,8 @@ impl Workspace {
             initialized: config.policy_learning == LearningPolicy::None,
             config,
             debug,
+            inline_headers: backend.host_accessible(),
+            outside_headers: HashMap::new(),
             backend,
             region: None,
             retired: Vec::new(),
@@ -444,8 +461,17 @@ impl Workspace {
             self.failed_allocations += 1;
             Error::SystemOutOfMemory { workspace: self.name.clone(), requested: size as u64, detail }
         })?;
-        // SAFETY: `at` is a fresh 64-aligned block of `len >= HEADER` bytes owned by us.
-        let p = unsafe { write_live_header(at, kind, 0, len, size, self.generation) };
+        let p = if self.inline_headers {
+            // SAFETY: `at` is a fresh 64-aligned block of `len >= HEADER` bytes owned by us.
+            unsafe { write_live_header(at, kind, 0, len, size, self.generation) }
+        } else {
+            // The block keeps the same layout (data at `HEADER`); its header lives on the host.
+            // SAFETY: `len >= HEADER`, so the data pointer stays inside the block.
+            let p = unsafe { at.add(HEADER) };
+            let h = Box::new(BlockHeader::live(kind, 0, len, size, self.generation));
+            self.outside_headers.insert(p.as_ptr() as usize, NonNull::from(Box::leak(h)));
+            p
+        };
         if kind == BlockKind::External {
             self.external_bytes += size as u64;
             self.external_slot_bytes += len as u64;
@@ -461,8 +487,8 @@ impl Workspace {
         let slot = slot_for(size).ok_or_else(|| self.out_of_memory(size, "request too large"))?;
         let p = self.alloc_block(BlockKind::Bypass, size, slot)?;
         if zeroed {
-            // SAFETY: `p` is valid for `size` bytes, just handed out to us.
-            unsafe { std::ptr::write_bytes(p.as_ptr(), 0, size) };
+            // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
+            unsafe { self.backend.zero(p, size) };
         }
         Ok(p)
     }
@@ -470,8 +496,8 @@ impl Workspace {
     /// Allocates `size` zero-filled bytes.
     pub fn alloc_zeroed(&mut self, size: usize) -> Result<NonNull<u8>, Error> {
         let p = self.alloc(size)?;
-        // SAFETY: `p` is valid for `size` bytes, just handed out to us.
-        unsafe { std::ptr::write_bytes(p.as_ptr(), 0, size) };
+        // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
+        unsafe { self.backend.zero(p, size) };
         Ok(p)
     }
 
@@ -482,8 +508,8 @@ impl Workspace {
     /// `p` was returned by `alloc`, `alloc_zeroed` or `realloc` of this workspace and was not freed.
     #[inline]
     pub unsafe fn free(&mut self, p: NonNull<u8>) {
-        // SAFETY: the caller guarantees `p` is a live block of ours, so its header precedes it.
-        let h = unsafe { header_of(p) };
+        // SAFETY: the caller guarantees `p` is a live block of ours.
+        let h = unsafe { self.header(p) };
         debug_assert!(h.is_live(), "double free or foreign pointer in workspace {:?}", self.name);
         // The common case: an arena block of the current region, freed in its own cycle.
         if h.kind == BlockKind::Arena && h.generation == self.generation {
@@ -496,13 +522,44 @@ impl Workspace {
             }
         }
         // SAFETY: forwarded.
-        unsafe { self.free_slow(h) }
+        unsafe { self.free_slow(p, h) }
+    }
+
+    /// The header of a live block.
+    ///
+    /// # Safety
+    /// `p` is a live block of this workspace; the header is not used after the block is freed.
+    #[inline]
+    unsafe fn header<'a>(&self, p: NonNull<u8>) -> &'a mut BlockHeader {
+        if self.inline_headers {
+            // SAFETY: the caller guarantees a live block, and its header precedes it.
+            return unsafe { header_of(p) };
+        }
+        // SAFETY: forwarded.
+        unsafe { self.header_elsewhere(p) }
     }
 
     /// # Safety
-    /// `h` is the live header of a block of this workspace.
+    /// As for [`Workspace::header`].
     #[cold]
-    unsafe fn free_slow(&mut self, h: &mut BlockHeader) {
+    unsafe fn header_elsewhere<'a>(&self, p: NonNull<u8>) -> &'a mut BlockHeader {
+        for r in self.region.iter().chain(self.retired.iter()) {
+            // SAFETY: forwarded: a live block of ours, so if it is in `r` it is one of r's.
+            if let Some(h) = unsafe { r.header_for(p) } {
+                // SAFETY: the header of a live block, in the region's host header mapping.
+                return unsafe { &mut *h.as_ptr() };
+            }
+        }
+        let h = self.outside_headers.get(&(p.as_ptr() as usize)).expect("a live block of this workspace");
+        // SAFETY: the pointer owns a live box (removed from the map, and freed, only when the
+        // block is freed).
+        unsafe { &mut *h.as_ptr() }
+    }
+
+    /// # Safety
+    /// `h` is the live header of the block `p` of this workspace.
+    #[cold]
+    unsafe fn free_slow(&mut self, p: NonNull<u8>, h: &mut BlockHeader) {
         let (size, slot, gen, kind) = (h.requested, h.slot, h.generation, h.kind);
         if kind != BlockKind::Bypass {
             self.live_slot_bytes -= slot;
@@ -523,9 +580,14 @@ impl Workspace {
                     self.external_live_blocks -= 1;
                 }
                 h.magic = 0;
+                if !self.inline_headers {
+                    let owned = self.outside_headers.remove(&(p.as_ptr() as usize)).expect("a tracked header");
+                    // SAFETY: the box was leaked in `alloc_block` and is reclaimed once, here.
+                    drop(unsafe { Box::from_raw(owned.as_ptr()) });
+                }
                 // SAFETY: the block was allocated by `alloc_block` of this backend with `slot`
-                // bytes, its header sits at its start, and the caller gives it up.
-                unsafe { self.backend.free_block(NonNull::from(h).cast(), slot) };
+                // bytes and its data starts `HEADER` bytes in; the caller gives it up.
+                unsafe { self.backend.free_block(p.sub(HEADER), slot) };
             }
         }
     }
@@ -560,7 +622,7 @@ impl Workspace {
     /// As for [`Workspace::free`].
     pub unsafe fn realloc(&mut self, p: NonNull<u8>, new_size: usize) -> Result<NonNull<u8>, Error> {
         // SAFETY: the caller guarantees `p` is a live block of ours.
-        let h = unsafe { header_of(p) };
+        let h = unsafe { self.header(p) };
         let old = h.requested;
         if h.kind == BlockKind::Arena && slot_for(new_size) == Some(h.slot) && !self.destroyed {
             h.requested = new_size;
@@ -574,8 +636,8 @@ impl Workspace {
             return Ok(p);
         }
         let q = if self.destroyed { self.alloc_unaccounted(new_size, false)? } else { self.alloc(new_size)? };
-        // SAFETY: both blocks are live, distinct, and valid for the bytes copied.
-        unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), q.as_ptr(), old.min(new_size)) };
+        // SAFETY: both blocks are live, distinct, of this backend, and valid for the bytes copied.
+        unsafe { self.backend.copy(q, p, old.min(new_size)) };
         // SAFETY: `p` is live and ours (caller's guarantee); it is freed once, here.
         unsafe { self.free(p) };
         Ok(q)
@@ -587,7 +649,7 @@ impl Workspace {
     /// As for [`Workspace::free`].
     pub unsafe fn block_info(&self, p: NonNull<u8>) -> BlockInfo {
         // SAFETY: the caller guarantees `p` is a live block of ours.
-        let h = unsafe { header_of(p) };
+        let h = unsafe { self.header(p) };
         let region = (h.kind == BlockKind::Arena).then(|| {
             let r = self.region.iter().chain(self.retired.iter()).find(|r| r.id() == h.region).expect("known region");
             (r.base().as_ptr() as usize, r.capacity())

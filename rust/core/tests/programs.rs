@@ -112,9 +112,14 @@ fn check(w: &Workspace, live: &[Live], ctx: &str) {
     assert_eq!(s.cycles, w.generation());
 }
 
-fn run(config: WorkspaceConfiguration, limit: Option<usize>, anonymous: bool, ops: Vec<Op>) {
-    // The heap stand-in keeps discarded pages; anonymous memory really drops them.
-    let upstream: Arc<dyn Backend> = if anonymous { Arc::new(AnonymousMemory) } else { Arc::new(HeapMemory) };
+fn run(config: WorkspaceConfiguration, limit: Option<usize>, source: u8, ops: Vec<Op>) {
+    // The heap keeps discarded pages; anonymous memory really drops them; the opaque device
+    // stand-in keeps headers on the host.
+    let upstream: Arc<dyn Backend> = match source % 3 {
+        0 => Arc::new(HeapMemory),
+        1 => Arc::new(AnonymousMemory),
+        _ => Arc::new(OpaqueMemory),
+    };
     let backend: Arc<dyn Backend> = match limit {
         Some(l) => Arc::new(LimitAdaptor::new(upstream, l)),
         None => upstream,
@@ -184,21 +189,21 @@ proptest! {
     #[test]
     fn random_programs_keep_blocks_disjoint_intact_and_counted(
         (config, limit) in config(),
-        anonymous in any::<bool>(),
+        source in any::<u8>(),
         ops in prop::collection::vec(op(), 1..300),
     ) {
-        run(config, limit, anonymous, ops);
+        run(config, limit, source, ops);
     }
 
     #[test]
     fn random_programs_survive_destroy(
         (config, limit) in config(),
-        anonymous in any::<bool>(),
+        source in any::<u8>(),
         mut ops in prop::collection::vec(op(), 1..120),
         at in any::<prop::sample::Index>(),
     ) {
         let k = at.index(ops.len());
         ops.insert(k, Op::Destroy);
-        run(config, limit, anonymous, ops);
+        run(config, limit, source, ops);
     }
 }

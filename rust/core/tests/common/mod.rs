@@ -4,14 +4,15 @@
 
 use std::sync::Arc;
 
-use rustws_core::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor};
+use rustws_core::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor, OpaqueMemory};
 
 /// Every host backend, plus an adaptor over one, by name.
 pub fn backends() -> Vec<(&'static str, Arc<dyn Backend>)> {
     vec![
         ("anonymous", Arc::new(AnonymousMemory)),
         ("mmap-file", Arc::new(FileMappedMemory::new(std::env::temp_dir()))),
-        ("heap (device stand-in)", Arc::new(HeapMemory)),
+        ("heap", Arc::new(HeapMemory)),
+        ("opaque (device stand-in)", Arc::new(OpaqueMemory)),
         ("limit(anonymous)", Arc::new(LimitAdaptor::new(Arc::new(AnonymousMemory), 1 << 34))),
     ]
 }
