@@ -20,7 +20,13 @@ def _info() -> int:
     print(f"rustws {__version__} ({info['profile']} build, abi3 for CPython >= 3.11)")
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}")
     print(f"numpy memory handler now: {get_handler_name()}")
-    print("cuda: not built (host workspaces only)")
+    from . import cuda
+
+    reason = cuda.unavailable_reason(0)
+    print(
+        f"cuda: {'available' if reason is None else 'unavailable: ' + reason}; driver sees {cuda.device_count()} device(s)"
+    )
+    print("device workspaces: host fallback (this build has no CUDA memory backend)")
     print(f"block header: {info['header_bytes']} bytes, alignment 64 bytes")
     for key in ("allocation", "learning", "spill", "reset", "mirroring", "location"):
         print(f"{key + ' policies:':22} {', '.join(info[key + '_policies'])}")
