@@ -23,9 +23,8 @@ def _info() -> int:
     from . import cuda
 
     reason = cuda.unavailable_reason(0)
-    print(
-        f"cuda: {'available' if reason is None else 'unavailable: ' + reason}; driver sees {cuda.device_count()} device(s)"
-    )
+    state = "available" if reason is None else f"unavailable: {reason}"
+    print(f"cuda: {state}; the driver sees {cuda.device_count()} device(s)")
     print("device workspaces: host fallback (this build has no CUDA memory backend)")
     print(f"block header: {info['header_bytes']} bytes, alignment 64 bytes")
     for key in ("allocation", "learning", "spill", "reset", "mirroring", "location"):
