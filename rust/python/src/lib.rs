@@ -277,8 +277,7 @@ fn push_scope(
 /// Pops the innermost scope, which must be `owner`'s (else `ScopeError`).
 #[pyfunction]
 fn pop_scope(py: Python<'_>, owner: &Bound<'_, PyAny>) -> PyResult<()> {
-    let elsewhere = owner.cast::<WorkspaceCore>().is_ok_and(|w| w.get().entered_elsewhere());
-    scope::pop(py, owner, elsewhere)
+    scope::pop(py, owner, || owner.cast::<WorkspaceCore>().is_ok_and(|w| w.get().entered_elsewhere()))
 }
 
 /// The workspace of the innermost scope of this thread or task (None when there is none).
@@ -646,7 +645,7 @@ impl WorkspaceCore {
     ) -> PyResult<bool> {
         let py = slf.py();
         let me = slf.get();
-        scope::pop(py, slf.as_any(), me.entered_elsewhere())?;
+        scope::pop(py, slf.as_any(), || me.entered_elsewhere())?;
         if me.shared.destroyed.load(Ordering::Relaxed) {
             return Ok(false);
         }

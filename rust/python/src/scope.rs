@@ -90,14 +90,14 @@ pub fn push(py: Python<'_>, owner: &Bound<'_, PyAny>, install: Install<'_, '_>) 
 }
 
 /// Pops the innermost scope, which must belong to `owner`; restores the handler it replaced.
-/// `elsewhere` says whether `owner` has scopes open on other threads only (for the message).
-pub fn pop(py: Python<'_>, owner: &Bound<'_, PyAny>, elsewhere: bool) -> PyResult<()> {
+/// `elsewhere` tells, for the error message only, whether `owner` was entered on another thread.
+pub fn pop(py: Python<'_>, owner: &Bound<'_, PyAny>, elsewhere: impl FnOnce() -> bool) -> PyResult<()> {
     let var = scope_var(py)?;
     let top = get_top(py, var)?;
     let innermost = if top.is_none() { None } else { Some(top.cast::<PyTuple>()?.get_item(OWNER)?) };
     if !innermost.as_ref().is_some_and(|o| o.is(owner)) {
         let what = describe(owner);
-        let msg = if elsewhere {
+        let msg = if elsewhere() {
             format!("{what} exited from another thread than the one that entered it")
         } else {
             let inner = innermost.map_or_else(|| "none".to_string(), |o| describe(&o));
