@@ -550,6 +550,28 @@ def test_cycle_detector_warns_about_escaped_arrays():
     del kept
 
 
+def test_cycle_detector_names_allocation_sites_with_rustws_trace():
+    code = (
+        "import warnings, rustws\n"
+        "warnings.simplefilter('error')\n"
+        "ws = rustws.workspace('TR', rustws.WorkspaceConfiguration(use_cycle_detector=True))\n"
+        "def make():\n"
+        "    return ws.zeros(10)\n"
+        "try:\n"
+        "    with ws:\n"
+        "        kept = make()\n"
+        "        tmp = ws.empty(5); del tmp\n"
+        "except ResourceWarning as w:\n"
+        "    print(w)\n"
+    )
+    env = dict(os.environ, RUSTWS_TRACE="1")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert "'TR'" in out and "1 array" in out
+    assert "<string>:5 in make" in out, out
+
+
 def test_cycle_detector_strict_raises():
     code = (
         "import rustws\n"

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -70,6 +71,28 @@ class Workspace(_rustws.WorkspaceCore):
         self.device = device
         self.capture = capture
         self._registry: dict[str, Workspace] | None = None
+        self._traces: list[tuple[weakref.ref[Any], int, str]] = []
+        if config.use_cycle_detector and os.environ.get("RUSTWS_TRACE") == "1":
+            # Record where explicit allocations happen, for the escape report. (Captured
+            # allocations happen inside NumPy, where no Python runs.)
+            for fname in ("empty", "zeros", "full", "empty_like", "zeros_like"):
+                setattr(self, fname, self._traced(getattr(self, fname)))
+
+    def _traced(self, allocate: Any) -> Any:
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            a = allocate(*args, **kwargs)
+            frame = traceback.extract_stack(limit=2)[0]  # the caller of the allocation
+            self._traces.append(
+                (weakref.ref(a), self.generation, f"{frame.filename}:{frame.lineno} in {frame.name}")
+            )
+            return a
+
+        return traced
+
+    def _escaped_sites(self, cycle: int) -> list[str]:
+        sites = [site for ref, gen, site in self._traces if gen == cycle and ref() is not None]
+        self._traces = [t for t in self._traces if t[0]() is not None and t[1] > cycle]
+        return sites
 
     # Cycles: ``__enter__`` / ``__exit__`` are the core's (rustws._rustws.WorkspaceCore); this
     # hook runs only when a cycle has something to report.
@@ -77,10 +100,14 @@ class Workspace(_rustws.WorkspaceCore):
         for message in self._drain_failures():
             logger.warning("%s", message)
         if leaked:
+            cycle = self.generation - 1
             message = (
                 f"workspace {self.name!r}: {escaped_blocks} array(s) ({escaped_bytes} bytes) outlived cycle "
-                f"{self.generation - 1}; their memory stays pinned until they are freed"
+                f"{cycle}; their memory stays pinned until they are freed"
             )
+            sites = self._escaped_sites(cycle)
+            if sites:
+                message += "; explicit allocations among them: " + "; ".join(sites)
             if os.environ.get("RUSTWS_STRICT") == "1":
                 raise LeakedArrayError(message)
             warnings.warn(message, ResourceWarning, stacklevel=3)
