@@ -34,6 +34,12 @@ def test_strict_device_workspaces_raise_with_the_reason():
     assert rustws.get_workspace("STRICT") is None
 
 
+@pytest.mark.parametrize("ordinal", [-1, "0", 1.0, True])
+def test_the_probe_refuses_bad_ordinals(ordinal):
+    with pytest.raises(ValueError, match="ordinal"):
+        rustws.cuda.unavailable_reason(ordinal)
+
+
 @pytest.mark.parametrize("device", ["cuda:x", "cuda:-1", "gpu", "cuda0"])
 def test_bad_device_strings(device):
     with pytest.raises(ValueError, match="device"):

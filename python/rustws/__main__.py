@@ -25,7 +25,7 @@ def _info() -> int:
     reason = cuda.unavailable_reason(0)
     state = "available" if reason is None else f"unavailable: {reason}"
     print(f"cuda: {state}; the driver sees {cuda.device_count()} device(s)")
-    print("device workspaces: host fallback (this build has no CUDA memory backend)")
+    print(f"cuda backend: {info['cuda_backend']}")
     print(f"block header: {info['header_bytes']} bytes, alignment 64 bytes")
     for key in ("allocation", "learning", "spill", "reset", "mirroring", "location"):
         print(f"{key + ' policies:':22} {', '.join(info[key + '_policies'])}")

@@ -1,21 +1,21 @@
 """CUDA: device discovery, ``DeviceArray`` and ``asarray``.
 
-This build has no CUDA memory backend: a device workspace (``rustws.workspace(name, cfg,
-device="cuda:N")``) always falls back to host memory with a ``RuntimeWarning`` when
+The core has a CUDA memory backend (cudarc, driver loaded at run time), but Python device arrays
+over device memory are not built yet: a device workspace (``rustws.workspace(name, cfg,
+device="cuda:N")``) falls back to host memory with a ``RuntimeWarning`` when
 ``helper_allow_fallback`` is true (the default), and raises ``DeviceUnavailableError`` saying why
 otherwise. Its arrays are still ``DeviceArray``s, with ``device == "cpu"``, ``__array_interface__``
-and a CPU DLPack device, so the same program runs unchanged. The driver probe below (``libcuda``
-through ctypes, no toolkit needed) names the reason: no driver, no device, or a bad ordinal.
+and a CPU DLPack device, so the same program runs unchanged. The core's driver probe names the
+reason: no driver, no device, or a bad ordinal.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from typing import Any
 
 import numpy as np
 
+from . import _rustws
 from ._errors import DeviceUnavailableError, DisposedArrayError
 
 __all__ = ["DeviceArray", "asarray", "device_count", "is_available", "unavailable_reason"]
@@ -23,40 +23,19 @@ __all__ = ["DeviceArray", "asarray", "device_count", "is_available", "unavailabl
 _KDL_CPU = 1
 
 
-@functools.cache
-def _driver_device_count() -> tuple[int, str | None]:
-    """(device count, reason when none can be used), asking the driver without initialising any
-    context. Never raises."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0, "no CUDA driver: libcuda.so.1 cannot be loaded"
-    try:
-        if lib.cuInit(0) != 0:
-            return 0, "the CUDA driver failed to initialise (cuInit)"
-        count = ctypes.c_int(0)
-        if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
-            return 0, "the CUDA driver cannot count devices (cuDeviceGetCount)"
-    except (AttributeError, OSError) as e:  # pragma: no cover - a broken driver library
-        return 0, f"the CUDA driver library is unusable: {e}"
-    if count.value == 0:
-        return 0, "the CUDA driver sees no device"
-    return count.value, None
-
-
 def device_count() -> int:
     """GPUs the CUDA driver sees (0 without a driver)."""
-    return _driver_device_count()[0]
+    return _rustws.cuda_device_count()
 
 
 def unavailable_reason(ordinal: int = 0) -> str | None:
     """Why ``cuda:<ordinal>`` cannot hold a device workspace in this build, or None."""
-    count, reason = _driver_device_count()
+    if isinstance(ordinal, bool) or not isinstance(ordinal, int) or ordinal < 0:
+        raise ValueError(f"invalid device ordinal {ordinal!r}: must be an int >= 0")
+    reason = _rustws.cuda_probe(ordinal)
     if reason is not None:
         return reason
-    if not 0 <= ordinal < count:
-        return f"bad device ordinal {ordinal}: the driver sees {count} device(s)"
-    return "this build of rustws has no CUDA memory backend"
+    return "this build serves device workspaces from host memory (no device arrays yet)"
 
 
 def is_available() -> bool:
@@ -213,9 +192,7 @@ def asarray(a: Any, workspace: Any) -> DeviceArray:
 def _fallback_or_raise(device: str, ordinal: int, allow_fallback: bool) -> str:
     """For ``workspace(device="cuda:N")``: the reason a GPU cannot be used (warned about when the
     workspace may fall back to host memory), or raises ``DeviceUnavailableError``."""
-    reason = unavailable_reason(ordinal)
-    if reason is None:  # pragma: no cover - no CUDA backend in this build
-        reason = "this build of rustws has no CUDA memory backend"
+    reason = unavailable_reason(ordinal) or "no device arrays over device memory yet"
     if not allow_fallback:
         raise DeviceUnavailableError(f"device {device!r} is unavailable: {reason}")
     return reason

@@ -10,6 +10,8 @@
 pub mod arena;
 pub mod backend;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod workspace;
 

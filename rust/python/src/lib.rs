@@ -210,6 +210,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("version", env!("CARGO_PKG_VERSION"))?;
     d.set_item("header_bytes", Workspace::header_bytes())?;
     d.set_item("profile", if cfg!(debug_assertions) { "debug" } else { "release" })?;
+    d.set_item("cuda_backend", "core (cudarc, loaded at run time); Python device arrays: host fallback")?;
     let names = |all: &[&'static str]| all.to_vec();
     d.set_item("allocation_policies", names(&AllocationPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;
     d.set_item("learning_policies", names(&LearningPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;
@@ -218,6 +219,18 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("mirroring_policies", names(&MirroringPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;
     d.set_item("location_policies", names(&LocationPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;
     Ok(d)
+}
+
+/// Why CUDA device `ordinal` cannot be used (no driver, no device, a bad ordinal), or None.
+#[pyfunction]
+fn cuda_probe(ordinal: usize) -> Option<String> {
+    rustws_core::cuda::probe(ordinal).err().map(|e| e.to_string())
+}
+
+/// GPUs the CUDA driver sees (0 without a driver).
+#[pyfunction]
+fn cuda_device_count() -> usize {
+    rustws_core::cuda::device_count().unwrap_or(0)
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -767,6 +780,8 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_handler, m)?)?;
     m.add_function(wrap_pyfunction!(get_handler, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_probe, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(push_scope, m)?)?;
     m.add_function(wrap_pyfunction!(pop_scope, m)?)?;
     m.add_function(wrap_pyfunction!(current_workspace, m)?)?;
