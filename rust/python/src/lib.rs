@@ -3,22 +3,24 @@
 //! `rustws._errors`), exposes a workspace as `WorkspaceCore`, and installs NumPy's data-memory
 //! handler. Policy, learning and arena logic all live in `rustws-core`.
 
+mod arrays;
+mod config;
 mod handler;
 mod scope;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use numpy::npyffi::npy_intp;
-use numpy::{PyArrayDescr, PyArrayDescrMethods, PY_ARRAY_API};
-use pyo3::exceptions::{PyMemoryError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyString, PyTuple};
+use pyo3::types::PyDict;
 use rustws_core::{
-    parse_size as core_parse_size, AllocationPolicy, DebugMode, Error, LearningPolicy, LocationPolicy, MirroringPolicy,
-    ResetPolicy, SpillPolicy, Workspace, WorkspaceConfiguration,
+    AllocationPolicy, DebugMode, Error, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
+    Workspace,
 };
 
+use arrays::{direct_arrays_supported, ArrayFields, NPY_ARRAY_OWNDATA};
+use config::{config_from_dict, parse_size, validate_config};
 use handler::Shared;
 
 /// Raises the Python exception class `name` of `rustws._errors`.
@@ -33,7 +35,7 @@ pub(crate) fn py_error(py: Python<'_>, name: &str, message: String) -> PyErr {
 }
 
 /// One core error, one Python exception class.
-fn to_py(py: Python<'_>, e: Error) -> PyErr {
+pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
         Error::InvalidConfig { .. } => PyValueError::new_err(msg),
@@ -43,139 +45,6 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::ForeignPointer { .. } => py_error(py, "WorkspaceError", msg),
         Error::Unavailable { .. } => py_error(py, "DeviceUnavailableError", msg),
     }
-}
-
-fn field_error(field: &str, message: impl std::fmt::Display) -> PyErr {
-    PyValueError::new_err(format!("invalid {field}: {message}"))
-}
-
-fn size_field(d: &Bound<'_, PyDict>, field: &'static str) -> PyResult<Option<u64>> {
-    let Some(v) = d.get_item(field)? else { return Ok(None) };
-    if let Ok(s) = v.cast::<PyString>() {
-        return core_parse_size(s.to_str()?).map(Some).map_err(|m| field_error(field, m));
-    }
-    match v.extract::<i128>() {
-        Ok(n) if n < 0 => Err(field_error(field, format!("must be >= 0, got {n}"))),
-        Ok(n) => u64::try_from(n).map(Some).map_err(|_| field_error(field, format!("{n} is too large"))),
-        Err(_) => {
-            Err(PyTypeError::new_err(format!("{field} must be an int or a size string, got {}", v.get_type().name()?)))
-        }
-    }
-}
-
-fn policy_field<T: std::str::FromStr<Err = String>>(d: &Bound<'_, PyDict>, field: &'static str) -> PyResult<Option<T>> {
-    let Some(v) = d.get_item(field)? else { return Ok(None) };
-    let text: String = match v.getattr("value") {
-        Ok(inner) if !v.is_instance_of::<PyString>() => inner.extract()?,
-        _ => v.extract().map_err(|_| PyTypeError::new_err(format!("{field} must be a policy member or its name")))?,
-    };
-    text.parse::<T>().map(Some).map_err(|m| field_error(field, m))
-}
-
-const FIELDS: &[&str] = &[
-    "initial_size",
-    "min_size",
-    "max_size",
-    "overallocation_limit",
-    "cycles_before_initialization",
-    "policy_allocation",
-    "policy_learning",
-    "policy_spill",
-    "policy_reset",
-    "policy_mirroring",
-    "policy_location",
-    "temp_file_path",
-    "temp_block_size",
-    "helper_min_size",
-    "helper_allow_fallback",
-    "use_cycle_detector",
-    "debug_mode",
-];
-
-/// Builds and validates a core configuration from a dict of the contract's fields.
-fn config_from_dict(d: &Bound<'_, PyDict>) -> PyResult<WorkspaceConfiguration> {
-    for key in d.keys() {
-        let k: String = key.extract()?;
-        if !FIELDS.contains(&k.as_str()) {
-            return Err(PyTypeError::new_err(format!("unknown configuration field {k:?}")));
-        }
-    }
-    let mut c = WorkspaceConfiguration::default();
-    macro_rules! set {
-        ($f:ident, size) => {
-            if let Some(v) = size_field(d, stringify!($f))? {
-                c.$f = v;
-            }
-        };
-        ($f:ident, policy) => {
-            if let Some(v) = policy_field(d, stringify!($f))? {
-                c.$f = v;
-            }
-        };
-        ($f:ident, bool) => {
-            if let Some(v) = d.get_item(stringify!($f))? {
-                c.$f = v
-                    .extract::<bool>()
-                    .map_err(|_| PyTypeError::new_err(concat!(stringify!($f), " must be a bool")))?;
-            }
-        };
-    }
-    set!(initial_size, size);
-    set!(min_size, size);
-    set!(max_size, size);
-    set!(temp_block_size, size);
-    set!(helper_min_size, size);
-    set!(policy_allocation, policy);
-    set!(policy_learning, policy);
-    set!(policy_spill, policy);
-    set!(policy_reset, policy);
-    set!(policy_mirroring, policy);
-    set!(policy_location, policy);
-    set!(debug_mode, policy);
-    set!(helper_allow_fallback, bool);
-    set!(use_cycle_detector, bool);
-    if let Some(v) = d.get_item("overallocation_limit")? {
-        if v.is_instance_of::<pyo3::types::PyBool>() {
-            return Err(PyTypeError::new_err("overallocation_limit must be a number"));
-        }
-        c.overallocation_limit =
-            v.extract::<f64>().map_err(|_| PyTypeError::new_err("overallocation_limit must be a number"))?;
-    }
-    if let Some(v) = d.get_item("cycles_before_initialization")? {
-        let n = v.extract::<i128>().map_err(|_| PyTypeError::new_err("cycles_before_initialization must be an int"))?;
-        c.cycles_before_initialization = u64::try_from(n)
-            .map_err(|_| field_error("cycles_before_initialization", format!("must be >= 0, got {n}")))?;
-    }
-    if let Some(v) = d.get_item("temp_file_path")? {
-        if !v.is_none() {
-            let os = py_fspath(&v)?;
-            c.temp_file_path = Some(os.into());
-        }
-    }
-    c.validate().map_err(|e| to_py(d.py(), e))?;
-    Ok(c)
-}
-
-fn py_fspath(v: &Bound<'_, PyAny>) -> PyResult<String> {
-    let os = v.py().import("os")?.call_method1("fspath", (v,)).map_err(|_| {
-        PyTypeError::new_err(format!(
-            "temp_file_path must be a str or os.PathLike, got {}",
-            v.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-        ))
-    })?;
-    os.extract::<String>().map_err(|_| PyTypeError::new_err("temp_file_path must be a text path"))
-}
-
-/// Parses a size with units (`"64MiB"`) into bytes.
-#[pyfunction]
-fn parse_size(text: &str) -> PyResult<u64> {
-    core_parse_size(text).map_err(PyValueError::new_err)
-}
-
-/// Validates a configuration dict; raises `ValueError` naming the field.
-#[pyfunction]
-fn validate_config(config: &Bound<'_, PyDict>) -> PyResult<()> {
-    config_from_dict(config).map(|_| ())
 }
 
 /// `RUSTWS_DEBUG_MODE` as the core reads it (`None` when unset or unknown).
@@ -239,10 +108,10 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// `rustws.Workspace`, which adds the context-manager protocol.
 #[pyclass(subclass, frozen, module = "rustws._rustws")]
 struct WorkspaceCore {
-    shared: Arc<Shared>,
-    capsule: Py<PyAny>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) capsule: Py<PyAny>,
     /// Debug mode BYPASS_EVERYTHING: arrays come from NumPy's default allocator.
-    bypass: bool,
+    pub(crate) bypass: bool,
     /// Whether cycles make this workspace NumPy's current allocator.
     capture: std::sync::atomic::AtomicBool,
     /// `use_cycle_detector`: report arrays that outlive their cycle.
@@ -297,269 +166,6 @@ fn pop_scope(py: Python<'_>, owner: &Bound<'_, PyAny>) -> PyResult<()> {
 #[pyfunction]
 fn current_workspace(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     scope::current(py)
-}
-
-fn type_name(v: &Bound<'_, PyAny>) -> String {
-    v.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-}
-
-fn extract_dim(item: &Bound<'_, PyAny>) -> PyResult<npy_intp> {
-    item.extract::<npy_intp>()
-        .map_err(|_| PyTypeError::new_err(format!("shape entries must be ints, got {}", type_name(item))))
-}
-
-/// The most dimensions an array may have (NumPy 2's limit; NumPy 1 refuses more than 32 itself).
-const MAX_DIMS: usize = 64;
-
-/// A shape on the stack: allocation-free for the hot path.
-struct Dims {
-    buf: [npy_intp; MAX_DIMS],
-    len: usize,
-}
-
-impl Dims {
-    fn new() -> Self {
-        Dims { buf: [0; MAX_DIMS], len: 0 }
-    }
-
-    fn push(&mut self, d: npy_intp) -> PyResult<()> {
-        if self.len == MAX_DIMS {
-            return Err(PyValueError::new_err(format!("shape has more than {MAX_DIMS} dimensions")));
-        }
-        self.buf[self.len] = d;
-        self.len += 1;
-        Ok(())
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [npy_intp] {
-        &mut self.buf[..self.len]
-    }
-}
-
-/// A shape: an int or a sequence of ints. Tuples (the common case) are read without detours.
-fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
-    let mut dims = Dims::new();
-    if let Ok(t) = shape.cast::<PyTuple>() {
-        for item in t.iter() {
-            dims.push(extract_dim(&item)?)?;
-        }
-        return Ok(dims);
-    }
-    if shape.is_instance_of::<PyInt>() {
-        dims.push(extract_dim(shape)?)?;
-        return Ok(dims);
-    }
-    if shape.is_instance_of::<PyString>() || shape.is_instance_of::<pyo3::types::PyBytes>() {
-        return Err(PyTypeError::new_err(format!(
-            "shape must be an int or a sequence of ints, got {}",
-            type_name(shape)
-        )));
-    }
-    if shape.hasattr("__index__")? && !shape.hasattr("__len__")? {
-        dims.push(extract_dim(shape)?)?;
-        return Ok(dims);
-    }
-    let iter = shape.try_iter().map_err(|_| {
-        PyTypeError::new_err(format!("shape must be an int or a sequence of ints, got {}", type_name(shape)))
-    })?;
-    for item in iter {
-        dims.push(extract_dim(&item?)?)?;
-    }
-    Ok(dims)
-}
-
-fn extract_descr<'py>(py: Python<'py>, dtype: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyArrayDescr>> {
-    let descr = match dtype {
-        None => numpy::dtype::<f64>(py),
-        Some(d) if d.is_none() => numpy::dtype::<f64>(py),
-        Some(d) => PyArrayDescr::new(py, d)?,
-    };
-    if descr.has_object() {
-        return Err(PyTypeError::new_err(format!(
-            "dtype {} holds Python objects; workspace memory never holds Python references",
-            descr.str()?
-        )));
-    }
-    Ok(descr)
-}
-
-/// `PyArrayObject_fields` of NumPy >= 1.22 up to its `mem_handler` field. The layout is checked
-/// once at run time against an array NumPy made (see `direct_arrays_supported`).
-#[repr(C)]
-struct ArrayFields {
-    ob_base: pyo3::ffi::PyObject,
-    data: *mut std::ffi::c_char,
-    nd: std::ffi::c_int,
-    dimensions: *mut npy_intp,
-    strides: *mut npy_intp,
-    base: *mut pyo3::ffi::PyObject,
-    descr: *mut std::ffi::c_void,
-    flags: std::ffi::c_int,
-    weakreflist: *mut pyo3::ffi::PyObject,
-    buffer_info: *mut std::ffi::c_void,
-    mem_handler: *mut pyo3::ffi::PyObject,
-}
-
-const NPY_ARRAY_OWNDATA: std::ffi::c_int = 0x0004;
-const NPY_ARRAY_C_CONTIGUOUS: std::ffi::c_int = 0x0001;
-const NPY_ARRAY_F_CONTIGUOUS: std::ffi::c_int = 0x0002;
-const NPY_ARRAY_ALIGNED: std::ffi::c_int = 0x0100;
-const NPY_ARRAY_WRITEABLE: std::ffi::c_int = 0x0400;
-
-/// Whether arrays can be built over workspace memory directly: NumPy must keep the handler of an
-/// array where `ArrayFields` says. Checked once, on an array NumPy allocates with its default
-/// handler.
-fn direct_arrays_supported(py: Python<'_>) -> bool {
-    static SUPPORTED: pyo3::sync::PyOnceLock<bool> = pyo3::sync::PyOnceLock::new();
-    *SUPPORTED.get_or_init(py, || {
-        let probe = || -> PyResult<bool> {
-            let previous = handler::set_handler(py, None)?;
-            let default = handler::get_handler(py);
-            let mut dims = [4 as npy_intp];
-            // SAFETY: one dimension in `dims`; the descriptor reference is stolen.
-            let raw = unsafe {
-                PY_ARRAY_API.PyArray_Empty(py, 1, dims.as_mut_ptr(), numpy::dtype::<f64>(py).into_ptr().cast(), 0)
-            };
-            handler::set_handler(py, Some(&previous))?;
-            let default = default?;
-            // SAFETY: a new reference or NULL with an exception set.
-            let arr = unsafe { Bound::from_owned_ptr_or_err(py, raw) }?;
-            // SAFETY: `arr` is a live ndarray; we only read fields NumPy >= 1.22 defines.
-            let f = unsafe { &*(arr.as_ptr() as *const ArrayFields) };
-            Ok(f.mem_handler == default.as_ptr()
-                && f.flags & NPY_ARRAY_OWNDATA != 0
-                && f.flags & NPY_ARRAY_WRITEABLE != 0
-                && f.nd == 1)
-        };
-        probe().unwrap_or(false)
-    })
-}
-
-impl WorkspaceCore {
-    fn new_array<'py>(
-        &self,
-        py: Python<'py>,
-        shape: &Bound<'py, PyAny>,
-        dtype: Option<&Bound<'py, PyAny>>,
-        order: &str,
-        zeroed: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let mut shape = extract_shape(shape)?;
-        let dims = shape.as_mut_slice();
-        let descr = extract_descr(py, dtype)?;
-        let fortran = match order {
-            "C" | "c" => 0,
-            "F" | "f" => 1,
-            other => return Err(PyValueError::new_err(format!("order must be 'C' or 'F', got {other:?}"))),
-        };
-        if self.shared.destroyed.load(Ordering::Relaxed) {
-            return Err(to_py(py, Error::Destroyed { workspace: self.shared.name.clone() }));
-        }
-        let capsule = self.capsule.bind(py);
-        if !self.bypass && descr.itemsize() > 0 && direct_arrays_supported(py) {
-            return self.new_array_direct(py, dims, descr, fortran, zeroed);
-        }
-        // Through NumPy's allocation path, with the right handler current.
-        let current = handler::get_handler(py)?;
-        let wanted = if self.bypass { None } else { Some(capsule) };
-        let swap = match wanted {
-            Some(c) => !current.is(c),
-            None => true,
-        };
-        let previous = if swap { Some(handler::set_handler(py, wanted)?) } else { None };
-        handler::take_last_refusal();
-        let nd = dims.len() as std::ffi::c_int;
-        // SAFETY: `dims` holds `nd` dimensions and outlives the call; the descriptor reference is
-        // stolen by NumPy, as both functions document.
-        let raw = unsafe {
-            if zeroed {
-                PY_ARRAY_API.PyArray_Zeros(py, nd, dims.as_mut_ptr(), descr.into_ptr().cast(), fortran)
-            } else {
-                PY_ARRAY_API.PyArray_Empty(py, nd, dims.as_mut_ptr(), descr.into_ptr().cast(), fortran)
-            }
-        };
-        // SAFETY: a new reference, or NULL with an exception set.
-        let result = unsafe { Bound::from_owned_ptr_or_err(py, raw) };
-        if let Some(prev) = previous {
-            handler::set_handler(py, Some(&prev))?;
-        }
-        match result {
-            Ok(a) => Ok(a),
-            Err(e) if e.is_instance_of::<PyMemoryError>(py) => match handler::take_last_refusal() {
-                Some(refusal) => Err(to_py(py, refusal)),
-                None => Err(e),
-            },
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Allocates the data from the workspace, wraps it in an array, and hands the array the
-    /// workspace's handler so that NumPy frees the data back to it (NEP 49: `OWNDATA` data must
-    /// come with its `mem_handler`).
-    fn new_array_direct<'py>(
-        &self,
-        py: Python<'py>,
-        dims: &mut [npy_intp],
-        descr: Bound<'py, PyArrayDescr>,
-        fortran: std::ffi::c_int,
-        zeroed: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let mut nbytes = descr.itemsize();
-        for &d in dims.iter() {
-            if d < 0 {
-                return Err(PyValueError::new_err("negative dimensions are not allowed"));
-            }
-            nbytes = nbytes.checked_mul(d as usize).filter(|n| *n <= isize::MAX as usize).ok_or_else(|| {
-                PyValueError::new_err(
-                    "array is too big; `arr.size * arr.dtype.itemsize` is larger than the maximum possible size.",
-                )
-            })?;
-        }
-        let data = {
-            let mut ws = self.shared.lock();
-            if zeroed {
-                ws.alloc_zeroed(nbytes.max(1))
-            } else {
-                ws.alloc(nbytes.max(1))
-            }
-        }
-        .map_err(|e| to_py(py, e))?;
-        let nd = dims.len() as std::ffi::c_int;
-        // SAFETY: `dims` holds `nd` dimensions; `data` is a live workspace block of at least
-        // `nbytes` bytes, 64-byte aligned; the descriptor reference is stolen by NumPy.
-        let raw = unsafe {
-            let array_type = numpy::npyffi::get_type_object(py, numpy::npyffi::NpyTypes::PyArray_Type);
-            PY_ARRAY_API.PyArray_NewFromDescr(
-                py,
-                array_type,
-                descr.into_ptr().cast(),
-                nd,
-                dims.as_mut_ptr(),
-                std::ptr::null_mut(),
-                data.as_ptr().cast(),
-                NPY_ARRAY_WRITEABLE
-                    | NPY_ARRAY_ALIGNED
-                    | if fortran != 0 { NPY_ARRAY_F_CONTIGUOUS } else { NPY_ARRAY_C_CONTIGUOUS },
-                std::ptr::null_mut(),
-            )
-        };
-        if raw.is_null() {
-            // SAFETY: the block is ours and no array took it.
-            unsafe { self.shared.lock().free(data) };
-            return Err(PyErr::fetch(py));
-        }
-        // SAFETY: `raw` is a new ndarray built over external data, so NumPy left its handler
-        // NULL and OWNDATA clear; the layout was checked by `direct_arrays_supported`. Setting
-        // both makes NumPy free `data` through our handler (which holds the workspace alive).
-        unsafe {
-            let f = &mut *(raw as *mut ArrayFields);
-            debug_assert!(f.mem_handler.is_null());
-            pyo3::ffi::Py_XDECREF(f.mem_handler);
-            f.mem_handler = self.capsule.clone_ref(py).into_ptr();
-            f.flags |= NPY_ARRAY_OWNDATA;
-            Ok(Bound::from_owned_ptr(py, raw))
-        }
-    }
 }
 
 #[pymethods]

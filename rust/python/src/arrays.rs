@@ -1,0 +1,276 @@
+//! Arrays over workspace memory: shapes and dtypes from Python, and NumPy arrays built directly
+//! over a workspace block that carry the workspace's memory handler (NEP 49: data an array owns
+//! comes with its `mem_handler`), with NumPy's own allocation path as the fallback.
+
+use numpy::npyffi::npy_intp;
+use numpy::{PyArrayDescr, PyArrayDescrMethods, PY_ARRAY_API};
+use pyo3::exceptions::{PyMemoryError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyString, PyTuple};
+use rustws_core::Error;
+use std::sync::atomic::Ordering;
+
+use crate::{handler, to_py, WorkspaceCore};
+
+fn type_name(v: &Bound<'_, PyAny>) -> String {
+    v.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+}
+
+fn extract_dim(item: &Bound<'_, PyAny>) -> PyResult<npy_intp> {
+    item.extract::<npy_intp>()
+        .map_err(|_| PyTypeError::new_err(format!("shape entries must be ints, got {}", type_name(item))))
+}
+
+/// The most dimensions an array may have (NumPy 2's limit; NumPy 1 refuses more than 32 itself).
+const MAX_DIMS: usize = 64;
+
+/// A shape on the stack: allocation-free for the hot path.
+struct Dims {
+    buf: [npy_intp; MAX_DIMS],
+    len: usize,
+}
+
+impl Dims {
+    fn new() -> Self {
+        Dims { buf: [0; MAX_DIMS], len: 0 }
+    }
+
+    fn push(&mut self, d: npy_intp) -> PyResult<()> {
+        if self.len == MAX_DIMS {
+            return Err(PyValueError::new_err(format!("shape has more than {MAX_DIMS} dimensions")));
+        }
+        self.buf[self.len] = d;
+        self.len += 1;
+        Ok(())
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [npy_intp] {
+        &mut self.buf[..self.len]
+    }
+}
+
+/// A shape: an int or a sequence of ints. Tuples (the common case) are read without detours.
+fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
+    let mut dims = Dims::new();
+    if let Ok(t) = shape.cast::<PyTuple>() {
+        for item in t.iter() {
+            dims.push(extract_dim(&item)?)?;
+        }
+        return Ok(dims);
+    }
+    if shape.is_instance_of::<PyInt>() {
+        dims.push(extract_dim(shape)?)?;
+        return Ok(dims);
+    }
+    if shape.is_instance_of::<PyString>() || shape.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(PyTypeError::new_err(format!(
+            "shape must be an int or a sequence of ints, got {}",
+            type_name(shape)
+        )));
+    }
+    if shape.hasattr("__index__")? && !shape.hasattr("__len__")? {
+        dims.push(extract_dim(shape)?)?;
+        return Ok(dims);
+    }
+    let iter = shape.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!("shape must be an int or a sequence of ints, got {}", type_name(shape)))
+    })?;
+    for item in iter {
+        dims.push(extract_dim(&item?)?)?;
+    }
+    Ok(dims)
+}
+
+fn extract_descr<'py>(py: Python<'py>, dtype: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyArrayDescr>> {
+    let descr = match dtype {
+        None => numpy::dtype::<f64>(py),
+        Some(d) if d.is_none() => numpy::dtype::<f64>(py),
+        Some(d) => PyArrayDescr::new(py, d)?,
+    };
+    if descr.has_object() {
+        return Err(PyTypeError::new_err(format!(
+            "dtype {} holds Python objects; workspace memory never holds Python references",
+            descr.str()?
+        )));
+    }
+    Ok(descr)
+}
+
+/// `PyArrayObject_fields` of NumPy >= 1.22 up to its `mem_handler` field. The layout is checked
+/// once at run time against an array NumPy made (see `direct_arrays_supported`).
+#[repr(C)]
+pub(crate) struct ArrayFields {
+    pub(crate) ob_base: pyo3::ffi::PyObject,
+    pub(crate) data: *mut std::ffi::c_char,
+    pub(crate) nd: std::ffi::c_int,
+    pub(crate) dimensions: *mut npy_intp,
+    pub(crate) strides: *mut npy_intp,
+    pub(crate) base: *mut pyo3::ffi::PyObject,
+    pub(crate) descr: *mut std::ffi::c_void,
+    pub(crate) flags: std::ffi::c_int,
+    pub(crate) weakreflist: *mut pyo3::ffi::PyObject,
+    pub(crate) buffer_info: *mut std::ffi::c_void,
+    pub(crate) mem_handler: *mut pyo3::ffi::PyObject,
+}
+
+pub(crate) const NPY_ARRAY_OWNDATA: std::ffi::c_int = 0x0004;
+const NPY_ARRAY_C_CONTIGUOUS: std::ffi::c_int = 0x0001;
+const NPY_ARRAY_F_CONTIGUOUS: std::ffi::c_int = 0x0002;
+const NPY_ARRAY_ALIGNED: std::ffi::c_int = 0x0100;
+const NPY_ARRAY_WRITEABLE: std::ffi::c_int = 0x0400;
+
+/// Whether arrays can be built over workspace memory directly: NumPy must keep the handler of an
+/// array where `ArrayFields` says. Checked once, on an array NumPy allocates with its default
+/// handler.
+pub(crate) fn direct_arrays_supported(py: Python<'_>) -> bool {
+    static SUPPORTED: pyo3::sync::PyOnceLock<bool> = pyo3::sync::PyOnceLock::new();
+    *SUPPORTED.get_or_init(py, || {
+        let probe = || -> PyResult<bool> {
+            let previous = handler::set_handler(py, None)?;
+            let default = handler::get_handler(py);
+            let mut dims = [4 as npy_intp];
+            // SAFETY: one dimension in `dims`; the descriptor reference is stolen.
+            let raw = unsafe {
+                PY_ARRAY_API.PyArray_Empty(py, 1, dims.as_mut_ptr(), numpy::dtype::<f64>(py).into_ptr().cast(), 0)
+            };
+            handler::set_handler(py, Some(&previous))?;
+            let default = default?;
+            // SAFETY: a new reference or NULL with an exception set.
+            let arr = unsafe { Bound::from_owned_ptr_or_err(py, raw) }?;
+            // SAFETY: `arr` is a live ndarray; we only read fields NumPy >= 1.22 defines.
+            let f = unsafe { &*(arr.as_ptr() as *const ArrayFields) };
+            Ok(f.mem_handler == default.as_ptr()
+                && f.flags & NPY_ARRAY_OWNDATA != 0
+                && f.flags & NPY_ARRAY_WRITEABLE != 0
+                && f.nd == 1)
+        };
+        probe().unwrap_or(false)
+    })
+}
+
+impl WorkspaceCore {
+    pub(crate) fn new_array<'py>(
+        &self,
+        py: Python<'py>,
+        shape: &Bound<'py, PyAny>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        order: &str,
+        zeroed: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let mut shape = extract_shape(shape)?;
+        let dims = shape.as_mut_slice();
+        let descr = extract_descr(py, dtype)?;
+        let fortran = match order {
+            "C" | "c" => 0,
+            "F" | "f" => 1,
+            other => return Err(PyValueError::new_err(format!("order must be 'C' or 'F', got {other:?}"))),
+        };
+        if self.shared.destroyed.load(Ordering::Relaxed) {
+            return Err(to_py(py, Error::Destroyed { workspace: self.shared.name.clone() }));
+        }
+        let capsule = self.capsule.bind(py);
+        if !self.bypass && descr.itemsize() > 0 && direct_arrays_supported(py) {
+            return self.new_array_direct(py, dims, descr, fortran, zeroed);
+        }
+        // Through NumPy's allocation path, with the right handler current.
+        let current = handler::get_handler(py)?;
+        let wanted = if self.bypass { None } else { Some(capsule) };
+        let swap = match wanted {
+            Some(c) => !current.is(c),
+            None => true,
+        };
+        let previous = if swap { Some(handler::set_handler(py, wanted)?) } else { None };
+        handler::take_last_refusal();
+        let nd = dims.len() as std::ffi::c_int;
+        // SAFETY: `dims` holds `nd` dimensions and outlives the call; the descriptor reference is
+        // stolen by NumPy, as both functions document.
+        let raw = unsafe {
+            if zeroed {
+                PY_ARRAY_API.PyArray_Zeros(py, nd, dims.as_mut_ptr(), descr.into_ptr().cast(), fortran)
+            } else {
+                PY_ARRAY_API.PyArray_Empty(py, nd, dims.as_mut_ptr(), descr.into_ptr().cast(), fortran)
+            }
+        };
+        // SAFETY: a new reference, or NULL with an exception set.
+        let result = unsafe { Bound::from_owned_ptr_or_err(py, raw) };
+        if let Some(prev) = previous {
+            handler::set_handler(py, Some(&prev))?;
+        }
+        match result {
+            Ok(a) => Ok(a),
+            Err(e) if e.is_instance_of::<PyMemoryError>(py) => match handler::take_last_refusal() {
+                Some(refusal) => Err(to_py(py, refusal)),
+                None => Err(e),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Allocates the data from the workspace, wraps it in an array, and hands the array the
+    /// workspace's handler so that NumPy frees the data back to it (NEP 49: `OWNDATA` data must
+    /// come with its `mem_handler`).
+    fn new_array_direct<'py>(
+        &self,
+        py: Python<'py>,
+        dims: &mut [npy_intp],
+        descr: Bound<'py, PyArrayDescr>,
+        fortran: std::ffi::c_int,
+        zeroed: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let mut nbytes = descr.itemsize();
+        for &d in dims.iter() {
+            if d < 0 {
+                return Err(PyValueError::new_err("negative dimensions are not allowed"));
+            }
+            nbytes = nbytes.checked_mul(d as usize).filter(|n| *n <= isize::MAX as usize).ok_or_else(|| {
+                PyValueError::new_err(
+                    "array is too big; `arr.size * arr.dtype.itemsize` is larger than the maximum possible size.",
+                )
+            })?;
+        }
+        let data = {
+            let mut ws = self.shared.lock();
+            if zeroed {
+                ws.alloc_zeroed(nbytes.max(1))
+            } else {
+                ws.alloc(nbytes.max(1))
+            }
+        }
+        .map_err(|e| to_py(py, e))?;
+        let nd = dims.len() as std::ffi::c_int;
+        // SAFETY: `dims` holds `nd` dimensions; `data` is a live workspace block of at least
+        // `nbytes` bytes, 64-byte aligned; the descriptor reference is stolen by NumPy.
+        let raw = unsafe {
+            let array_type = numpy::npyffi::get_type_object(py, numpy::npyffi::NpyTypes::PyArray_Type);
+            PY_ARRAY_API.PyArray_NewFromDescr(
+                py,
+                array_type,
+                descr.into_ptr().cast(),
+                nd,
+                dims.as_mut_ptr(),
+                std::ptr::null_mut(),
+                data.as_ptr().cast(),
+                NPY_ARRAY_WRITEABLE
+                    | NPY_ARRAY_ALIGNED
+                    | if fortran != 0 { NPY_ARRAY_F_CONTIGUOUS } else { NPY_ARRAY_C_CONTIGUOUS },
+                std::ptr::null_mut(),
+            )
+        };
+        if raw.is_null() {
+            // SAFETY: the block is ours and no array took it.
+            unsafe { self.shared.lock().free(data) };
+            return Err(PyErr::fetch(py));
+        }
+        // SAFETY: `raw` is a new ndarray built over external data, so NumPy left its handler
+        // NULL and OWNDATA clear; the layout was checked by `direct_arrays_supported`. Setting
+        // both makes NumPy free `data` through our handler (which holds the workspace alive).
+        unsafe {
+            let f = &mut *(raw as *mut ArrayFields);
+            debug_assert!(f.mem_handler.is_null());
+            pyo3::ffi::Py_XDECREF(f.mem_handler);
+            f.mem_handler = self.capsule.clone_ref(py).into_ptr();
+            f.flags |= NPY_ARRAY_OWNDATA;
+            Ok(Bound::from_owned_ptr(py, raw))
+        }
+    }
+}

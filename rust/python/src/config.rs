@@ -1,0 +1,143 @@
+//! Configurations across the boundary: a dict of the contract's fields (sizes as ints or strings
+//! with units, policies as enum members or names) becomes a validated core configuration, and
+//! every invalid value raises `ValueError` / `TypeError` naming its field.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString};
+use rustws_core::{parse_size as core_parse_size, WorkspaceConfiguration};
+
+use crate::to_py;
+
+pub(crate) fn field_error(field: &str, message: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("invalid {field}: {message}"))
+}
+
+fn size_field(d: &Bound<'_, PyDict>, field: &'static str) -> PyResult<Option<u64>> {
+    let Some(v) = d.get_item(field)? else { return Ok(None) };
+    if let Ok(s) = v.cast::<PyString>() {
+        return core_parse_size(s.to_str()?).map(Some).map_err(|m| field_error(field, m));
+    }
+    match v.extract::<i128>() {
+        Ok(n) if n < 0 => Err(field_error(field, format!("must be >= 0, got {n}"))),
+        Ok(n) => u64::try_from(n).map(Some).map_err(|_| field_error(field, format!("{n} is too large"))),
+        Err(_) => {
+            Err(PyTypeError::new_err(format!("{field} must be an int or a size string, got {}", v.get_type().name()?)))
+        }
+    }
+}
+
+fn policy_field<T: std::str::FromStr<Err = String>>(d: &Bound<'_, PyDict>, field: &'static str) -> PyResult<Option<T>> {
+    let Some(v) = d.get_item(field)? else { return Ok(None) };
+    let text: String = match v.getattr("value") {
+        Ok(inner) if !v.is_instance_of::<PyString>() => inner.extract()?,
+        _ => v.extract().map_err(|_| PyTypeError::new_err(format!("{field} must be a policy member or its name")))?,
+    };
+    text.parse::<T>().map(Some).map_err(|m| field_error(field, m))
+}
+
+const FIELDS: &[&str] = &[
+    "initial_size",
+    "min_size",
+    "max_size",
+    "overallocation_limit",
+    "cycles_before_initialization",
+    "policy_allocation",
+    "policy_learning",
+    "policy_spill",
+    "policy_reset",
+    "policy_mirroring",
+    "policy_location",
+    "temp_file_path",
+    "temp_block_size",
+    "helper_min_size",
+    "helper_allow_fallback",
+    "use_cycle_detector",
+    "debug_mode",
+];
+
+/// Builds and validates a core configuration from a dict of the contract's fields.
+pub(crate) fn config_from_dict(d: &Bound<'_, PyDict>) -> PyResult<WorkspaceConfiguration> {
+    for key in d.keys() {
+        let k: String = key.extract()?;
+        if !FIELDS.contains(&k.as_str()) {
+            return Err(PyTypeError::new_err(format!("unknown configuration field {k:?}")));
+        }
+    }
+    let mut c = WorkspaceConfiguration::default();
+    macro_rules! set {
+        ($f:ident, size) => {
+            if let Some(v) = size_field(d, stringify!($f))? {
+                c.$f = v;
+            }
+        };
+        ($f:ident, policy) => {
+            if let Some(v) = policy_field(d, stringify!($f))? {
+                c.$f = v;
+            }
+        };
+        ($f:ident, bool) => {
+            if let Some(v) = d.get_item(stringify!($f))? {
+                c.$f = v
+                    .extract::<bool>()
+                    .map_err(|_| PyTypeError::new_err(concat!(stringify!($f), " must be a bool")))?;
+            }
+        };
+    }
+    set!(initial_size, size);
+    set!(min_size, size);
+    set!(max_size, size);
+    set!(temp_block_size, size);
+    set!(helper_min_size, size);
+    set!(policy_allocation, policy);
+    set!(policy_learning, policy);
+    set!(policy_spill, policy);
+    set!(policy_reset, policy);
+    set!(policy_mirroring, policy);
+    set!(policy_location, policy);
+    set!(debug_mode, policy);
+    set!(helper_allow_fallback, bool);
+    set!(use_cycle_detector, bool);
+    if let Some(v) = d.get_item("overallocation_limit")? {
+        if v.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(PyTypeError::new_err("overallocation_limit must be a number"));
+        }
+        c.overallocation_limit =
+            v.extract::<f64>().map_err(|_| PyTypeError::new_err("overallocation_limit must be a number"))?;
+    }
+    if let Some(v) = d.get_item("cycles_before_initialization")? {
+        let n = v.extract::<i128>().map_err(|_| PyTypeError::new_err("cycles_before_initialization must be an int"))?;
+        c.cycles_before_initialization = u64::try_from(n)
+            .map_err(|_| field_error("cycles_before_initialization", format!("must be >= 0, got {n}")))?;
+    }
+    if let Some(v) = d.get_item("temp_file_path")? {
+        if !v.is_none() {
+            let os = py_fspath(&v)?;
+            c.temp_file_path = Some(os.into());
+        }
+    }
+    c.validate().map_err(|e| to_py(d.py(), e))?;
+    Ok(c)
+}
+
+fn py_fspath(v: &Bound<'_, PyAny>) -> PyResult<String> {
+    let os = v.py().import("os")?.call_method1("fspath", (v,)).map_err(|_| {
+        PyTypeError::new_err(format!(
+            "temp_file_path must be a str or os.PathLike, got {}",
+            v.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
+    os.extract::<String>().map_err(|_| PyTypeError::new_err("temp_file_path must be a text path"))
+}
+
+/// Parses a size with units (`"64MiB"`) into bytes.
+#[pyfunction]
+pub(crate) fn parse_size(text: &str) -> PyResult<u64> {
+    core_parse_size(text).map_err(PyValueError::new_err)
+}
+
+/// Validates a configuration dict; raises `ValueError` naming the field.
+#[pyfunction]
+pub(crate) fn validate_config(config: &Bound<'_, PyDict>) -> PyResult<()> {
+    config_from_dict(config).map(|_| ())
+}
