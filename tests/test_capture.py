@@ -250,3 +250,20 @@ def test_object_arrays_in_capture_keep_their_references():
         assert (z == 0).all()
     del arr, z
     gc.collect()
+
+
+def test_fromfile_and_fromstring_grow_through_realloc(tmp_path):
+    # NumPy grows these buffers with the handler's realloc, partly without holding the GIL.
+    path = tmp_path / "numbers.txt"
+    path.write_text(" ".join(str(i) for i in range(50_000)))
+    ws = rustws.workspace("TEXT", WorkspaceConfiguration(initial_size=4 * MiB))
+    for _ in range(3):
+        with ws:
+            a = np.fromfile(path, sep=" ")
+            b = np.fromstring("1 2 3 4 5", sep=" ")
+            empty = np.fromfile(path, sep=" ", count=0)
+        np.testing.assert_array_equal(a, np.arange(50_000, dtype=np.float64))
+        np.testing.assert_array_equal(b, [1, 2, 3, 4, 5])
+        assert empty.shape == (0,)
+        assert rustws.owner(a) is ws
+    assert ws.stats().failed_allocations == 0
