@@ -734,3 +734,22 @@ def test_frees_from_another_thread():
     t.start()
     t.join()
     assert ws.stats().used_bytes == 0 and ws.stats().pinned_bytes == 0
+
+
+@pytest.mark.timeout(30)
+def test_raising_does_not_hold_the_workspace_lock():
+    # Building the exception may run the GC, which may free an array of this very workspace.
+    ws = rustws.workspace("GCLOCK", cfg(initial_size=MiB))
+    gc.disable()
+    try:
+        cycle = [ws.empty(1000)]
+        cycle.append(cycle)
+        del cycle
+        ws.destroy()
+        gc.set_threshold(gc.get_count()[0] + 2)
+        with pytest.raises(rustws.WorkspaceClosedError), ws:
+            pass
+    finally:
+        gc.set_threshold(700, 10, 10)
+        gc.enable()
+        gc.collect()

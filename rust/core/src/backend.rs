@@ -182,41 +182,76 @@ impl Backend for AnonymousMemory {
 /// External blocks at least this large get a mapping of their own.
 pub const DIRECT_MAP_THRESHOLD: usize = 256 << 10;
 
-/// Memory mapped from a file: a named file when `path` is not a folder (kept afterwards), else a
-/// file created in the folder and unlinked at once (it disappears with the mapping).
+/// Memory mapped from a file. Each region gets a file of its own, so regions never share pages:
+/// a folder `path` gets a new file per region, unlinked at once (it disappears with its
+/// mapping); a file `path` is used by one region at a time in the whole process (truncated and
+/// kept afterwards), and further regions get unlinked files beside it.
 #[derive(Debug)]
 pub struct FileMappedMemory {
     path: PathBuf,
-    files: std::sync::Mutex<Vec<(usize, File)>>,
+    /// Open files by mapping address, with the named path they hold, if any.
+    files: std::sync::Mutex<Vec<(usize, File, Option<PathBuf>)>>,
 }
 
 static FILE_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Named files mapped right now by any `FileMappedMemory` of this process.
+static NAMED_FILES_IN_USE: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
 impl FileMappedMemory {
     pub fn new(path: impl Into<PathBuf>) -> Self {
         FileMappedMemory { path: path.into(), files: std::sync::Mutex::new(Vec::new()) }
     }
 
-    fn open(&self) -> Result<File, String> {
+    /// A new file in `dir`, unlinked once open.
+    fn unnamed_in(dir: &std::path::Path, stem: &str) -> Result<File, String> {
+        let name = format!("{stem}-{}-{}.mmap", std::process::id(), FILE_COUNTER.fetch_add(1, Ordering::Relaxed));
+        let full = dir.join(name);
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&full)
+            .map_err(|e| format!("cannot create {}: {e}", full.display()))?;
+        let _ = std::fs::remove_file(&full);
+        Ok(f)
+    }
+
+    /// The file for a new region, and the named path it holds (to release at unmap).
+    fn open(&self) -> Result<(File, Option<PathBuf>), String> {
         if self.path.is_dir() {
-            let name = format!("rustws-{}-{}.mmap", std::process::id(), FILE_COUNTER.fetch_add(1, Ordering::Relaxed));
-            let full = self.path.join(name);
-            let f = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .open(&full)
-                .map_err(|e| format!("cannot create {}: {e}", full.display()))?;
-            let _ = std::fs::remove_file(&full);
-            Ok(f)
-        } else {
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&self.path)
-                .map_err(|e| format!("cannot open {}: {e}", self.path.display()))
+            return Ok((Self::unnamed_in(&self.path, "rustws")?, None));
+        }
+        let parent = match self.path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let parent = std::fs::canonicalize(&parent).map_err(|e| format!("cannot use {}: {e}", parent.display()))?;
+        let file_name = self.path.file_name().ok_or_else(|| format!("{} names no file", self.path.display()))?;
+        let canonical = parent.join(file_name);
+        let mut in_use = NAMED_FILES_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+        if in_use.contains(&canonical) {
+            // Another region maps the named file: truncating or sharing it would clobber live
+            // blocks, so this region gets a file of its own beside it.
+            drop(in_use);
+            let stem = file_name.to_string_lossy().into_owned();
+            return Ok((Self::unnamed_in(&parent, &stem)?, None));
+        }
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&canonical)
+            .map_err(|e| format!("cannot open {}: {e}", canonical.display()))?;
+        in_use.push(canonical.clone());
+        Ok((f, Some(canonical)))
+    }
+
+    fn release_name(name: Option<PathBuf>) {
+        if let Some(name) = name {
+            let mut in_use = NAMED_FILES_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+            in_use.retain(|p| *p != name);
         }
     }
 }
@@ -227,13 +262,22 @@ impl Backend for FileMappedMemory {
     }
 
     fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, String> {
-        let file = self.open()?;
-        file.set_len(len as u64).map_err(|e| format!("cannot size {} to {len} bytes: {e}", self.path.display()))?;
-        let ptr = mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd())?;
+        let (file, name) = self.open()?;
+        let mapped = file
+            .set_len(len as u64)
+            .map_err(|e| format!("cannot size {} to {len} bytes: {e}", self.path.display()))
+            .and_then(|()| mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd()));
+        let ptr = match mapped {
+            Ok(p) => p,
+            Err(e) => {
+                Self::release_name(name);
+                return Err(e);
+            }
+        };
         if prefault_now {
             prefault(ptr, len);
         }
-        self.files.lock().unwrap_or_else(|e| e.into_inner()).push((ptr.as_ptr() as usize, file));
+        self.files.lock().unwrap_or_else(|e| e.into_inner()).push((ptr.as_ptr() as usize, file, name));
         Ok(ptr)
     }
 
@@ -243,7 +287,10 @@ impl Backend for FileMappedMemory {
         // SAFETY: the caller guarantees this is one whole mapping of ours, no longer used.
         unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
-        files.retain(|(p, _)| *p != ptr.as_ptr() as usize);
+        if let Some(i) = files.iter().position(|(p, ..)| *p == ptr.as_ptr() as usize) {
+            let (_, _, name) = files.swap_remove(i);
+            Self::release_name(name);
+        }
     }
 }
 
@@ -456,6 +503,33 @@ mod tests {
         exercise(&FileMappedMemory::new(std::env::temp_dir()));
         let named = std::env::temp_dir().join(format!("rustws-test-{}.bin", std::process::id()));
         exercise(&FileMappedMemory::new(&named));
+        let _ = std::fs::remove_file(named);
+    }
+
+    #[test]
+    fn regions_from_one_named_file_never_share_pages() {
+        let named = std::env::temp_dir().join(format!("rustws-shared-{}.bin", std::process::id()));
+        let (a, b) = (FileMappedMemory::new(&named), FileMappedMemory::new(&named));
+        let len = round_to_page(1 << 16);
+        let p = a.map(len, false).unwrap();
+        let q = a.map(len, false).unwrap(); // a second region of the same backend
+        let r = b.map(len, false).unwrap(); // a region of another workspace on the same path
+                                            // SAFETY: three live mappings of `len` bytes each.
+        unsafe {
+            p.as_ptr().write_bytes(1, len);
+            q.as_ptr().write_bytes(2, len);
+            r.as_ptr().write_bytes(3, len);
+            assert!(std::slice::from_raw_parts(p.as_ptr(), len).iter().all(|&x| x == 1));
+            assert!(std::slice::from_raw_parts(q.as_ptr(), len).iter().all(|&x| x == 2));
+            a.unmap(p, len);
+            a.unmap(q, len);
+            b.unmap(r, len);
+        }
+        // Released: the named file can be mapped again.
+        let again = a.map(len, false).unwrap();
+        // SAFETY: mapped above.
+        unsafe { a.unmap(again, len) };
+        assert_eq!(std::fs::metadata(&named).unwrap().len() as usize, len);
         let _ = std::fs::remove_file(named);
     }
 

@@ -501,3 +501,44 @@ fn an_opaque_backend_is_never_written_by_the_arena() {
     }
     assert_eq!(w.stats().used_bytes, 0);
 }
+
+#[test]
+fn a_named_mmap_file_keeps_live_blocks_through_growth() {
+    // Growth maps a second region while a block of the first lives: they must not share a file.
+    let named = std::env::temp_dir().join(format!("rustws-grow-{}.bin", std::process::id()));
+    let c = WorkspaceConfiguration {
+        initial_size: 1 << 20,
+        policy_location: LocationPolicy::Mmap,
+        policy_learning: LearningPolicy::None,
+        policy_spill: SpillPolicy::Reallocate,
+        temp_file_path: Some(named.clone()),
+        ..cfg()
+    };
+    let mut w = Workspace::new("MM", c.clone()).unwrap();
+    let mut other = Workspace::new("MM2", c).unwrap(); // a second workspace on the same path
+    w.enter().unwrap();
+    let a = w.alloc(4096).unwrap();
+    fill(a.as_ptr(), 4096, 0xAB);
+    let spill = w.alloc(4 << 20).unwrap();
+    // SAFETY: live, freed once.
+    unsafe { w.free(spill) };
+    w.exit().unwrap(); // grows: a new region, the old one retired with `a` in it
+    assert!(w.stats().capacity_bytes > 4 << 20);
+    w.enter().unwrap();
+    other.enter().unwrap();
+    let b = w.alloc(4096).unwrap();
+    let o = other.alloc(4096).unwrap();
+    fill(b.as_ptr(), 4096, 0xCD);
+    fill(o.as_ptr(), 4096, 0x11);
+    assert!(intact(a.as_ptr(), 4096, 0xAB), "a live block was clobbered through a shared file");
+    // SAFETY: live, freed once.
+    unsafe {
+        w.free(a);
+        w.free(b);
+        other.free(o);
+    }
+    w.exit().unwrap();
+    other.exit().unwrap();
+    drop((w, other));
+    let _ = std::fs::remove_file(named);
+}

@@ -133,10 +133,10 @@ pub(crate) fn direct_arrays_supported(py: Python<'_>) -> bool {
             let raw = unsafe {
                 PY_ARRAY_API.PyArray_Empty(py, 1, dims.as_mut_ptr(), numpy::dtype::<f64>(py).into_ptr().cast(), 0)
             };
+            // SAFETY: a new reference or NULL with an exception set; owned before anything can fail.
+            let arr = unsafe { Bound::from_owned_ptr_or_err(py, raw) };
             handler::set_handler(py, Some(&previous))?;
-            let default = default?;
-            // SAFETY: a new reference or NULL with an exception set.
-            let arr = unsafe { Bound::from_owned_ptr_or_err(py, raw) }?;
+            let (arr, default) = (arr?, default?);
             // SAFETY: `arr` is a live ndarray; we only read fields NumPy >= 1.22 defines.
             let f = unsafe { &*(arr.as_ptr() as *const ArrayFields) };
             Ok(f.mem_handler == default.as_ptr()

@@ -58,6 +58,9 @@ pub struct Shared {
     pub entered_on: std::sync::atomic::AtomicU64,
 }
 
+/// Refusal messages kept between two cycle exits; later ones are counted, not kept.
+const MAX_KEPT_FAILURES: usize = 64;
+
 thread_local! {
     /// The last refusal on this thread, so that an explicit allocation can raise the workspace's
     /// own error instead of NumPy's generic `MemoryError`.
@@ -94,7 +97,14 @@ impl Shared {
     }
 
     fn refuse(&self, e: Error) -> *mut c_void {
-        self.failures.lock().unwrap_or_else(|e| e.into_inner()).push(e.to_string());
+        {
+            let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+            // Kept for the next cycle exit to log; a workspace used without cycles must not
+            // accumulate them forever.
+            if failures.len() < MAX_KEPT_FAILURES {
+                failures.push(e.to_string());
+            }
+        }
         self.has_failures.store(true, Ordering::Relaxed);
         LAST_REFUSAL.with(|r| *r.borrow_mut() = Some(e));
         null_mut()

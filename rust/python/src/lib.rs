@@ -242,7 +242,10 @@ impl WorkspaceCore {
     fn __enter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
         let py = slf.py();
         let me = slf.get();
-        me.shared.lock().enter().map_err(|e| to_py(py, e))?;
+        // The guard is dropped before any Python runs: building an exception can run the GC,
+        // which may free this workspace's arrays and take the lock again.
+        let entered = me.shared.lock().enter();
+        entered.map_err(|e| to_py(py, e))?;
         let capsule = me.capsule.bind(py);
         let how = if me.installs_handler() { scope::Install::Handler(capsule) } else { scope::Install::Keep };
         if let Err(e) = scope::push(py, slf.as_any(), how) {
@@ -268,7 +271,8 @@ impl WorkspaceCore {
         if me.shared.destroyed.load(Ordering::Relaxed) {
             return Ok(false);
         }
-        let r = me.shared.lock().exit().map_err(|e| to_py(py, e))?;
+        let exited = me.shared.lock().exit();
+        let r = exited.map_err(|e| to_py(py, e))?;
         let failures = me.shared.has_failures.load(Ordering::Relaxed);
         let leaked = r.completed && r.escaped_blocks > 0 && me.cycle_detector;
         if failures || leaked {
@@ -327,7 +331,8 @@ impl WorkspaceCore {
 
     /// Sizes the arena now from what was learned.
     fn initialize(&self, py: Python<'_>) -> PyResult<()> {
-        self.shared.lock().initialize().map_err(|e| to_py(py, e))
+        let done = self.shared.lock().initialize();
+        done.map_err(|e| to_py(py, e))
     }
 
     /// Core part of `destroy()`: memory under live arrays is kept until they die.

@@ -85,8 +85,12 @@ pub fn push(py: Python<'_>, owner: &Bound<'_, PyAny>, install: Install<'_, '_>) 
         Install::Default => handler::set_handler(py, None)?,
         Install::Handler(h) => handler::set_handler(py, Some(h))?,
     };
-    let node = PyTuple::new(py, [owner.clone(), previous, parent])?;
-    set_top(py, var, node.as_any())
+    let pushed = PyTuple::new(py, [owner.clone(), previous.clone(), parent]).and_then(|n| set_top(py, var, n.as_any()));
+    if pushed.is_err() && !previous.is_none() {
+        // No scope records the handler it replaced: put it back before reporting the error.
+        let _ = handler::set_handler(py, Some(&previous));
+    }
+    pushed
 }
 
 /// Pops the innermost scope, which must belong to `owner`; restores the handler it replaced.
