@@ -186,11 +186,6 @@ impl ArenaRegion {
         self.data
     }
 
-    /// Whether headers sit in front of their blocks (the CPU can touch the block memory).
-    pub fn headers_inline(&self) -> bool {
-        self.meta == self.data
-    }
-
     /// The header of the block whose data starts at `p`, if `p` is in this region.
     ///
     /// # Safety
@@ -483,11 +478,6 @@ impl ArenaRegion {
         self.cursor = self.top;
         self.limit = self.top;
         self.tail = false;
-    }
-
-    /// Bytes the region could still hand out without walking: for tests and statistics.
-    pub fn hole_bytes(&self) -> usize {
-        self.limit - self.cursor
     }
 }
 

@@ -16,8 +16,6 @@ pub enum Error {
     Destroyed { workspace: String },
     /// An operation that needs an open cycle found none.
     NotOpen { workspace: String, operation: &'static str },
-    /// A pointer that this workspace did not hand out (or that was already freed).
-    ForeignPointer { workspace: String },
     /// A backend cannot be used here (no driver, no device, bad ordinal).
     Unavailable { what: String },
 }
@@ -38,10 +36,6 @@ impl fmt::Display for Error {
             Error::NotOpen { workspace, operation } => {
                 write!(f, "workspace {workspace:?} has no open cycle: {operation} needs one")
             }
-            Error::ForeignPointer { workspace } => write!(
-                f,
-                "workspace {workspace:?} was given a pointer it did not allocate (or one already freed)"
-            ),
             Error::Unavailable { what } => write!(f, "{what}"),
         }
     }

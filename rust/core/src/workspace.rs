@@ -339,7 +339,8 @@ impl Workspace {
         }
         // Blocks of this cycle still live escape it: they stay pinned while the next cycle
         // reaches the same peak, so they count twice in what a cycle needs.
-        let escaped_blocks = self.live_blocks() - self.pinned_blocks;
+        let live_blocks = self.live_blocks(); // growth below moves regions, not blocks
+        let escaped_blocks = live_blocks - self.pinned_blocks;
         let escaped_bytes = self.used_bytes + self.external_bytes - self.pinned_bytes;
         let need = self.cycle_slot_peak + (self.live_slot_bytes - self.pinned_slot_bytes);
         let learning = !self.initialized;
@@ -366,7 +367,7 @@ impl Workspace {
             }
         }
         self.generation += 1;
-        self.pinned_blocks = self.live_blocks();
+        self.pinned_blocks = live_blocks;
         self.pinned_bytes = self.used_bytes + self.external_bytes;
         self.pinned_slot_bytes = self.live_slot_bytes;
         self.last_cycle_peak_bytes = self.cycle_peak_bytes;

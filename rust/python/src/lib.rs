@@ -42,7 +42,6 @@ pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::OutOfMemory { .. } | Error::SystemOutOfMemory { .. } => py_error(py, "WorkspaceOutOfMemory", msg),
         Error::Destroyed { .. } => py_error(py, "WorkspaceClosedError", msg),
         Error::NotOpen { .. } => py_error(py, "ScopeError", msg),
-        Error::ForeignPointer { .. } => py_error(py, "WorkspaceError", msg),
         Error::Unavailable { .. } => py_error(py, "DeviceUnavailableError", msg),
     }
 }
