@@ -8,7 +8,7 @@ references it.
 
 from __future__ import annotations
 
-from . import _rustws, cuda
+from . import _rustws, cuda, cupy, torch
 from ._config import (
     AllocationPolicy,
     ArrayType,
@@ -87,6 +87,7 @@ __all__ = [
     "WorkspaceStats",
     "__version__",
     "cuda",
+    "cupy",
     "current_workspace",
     "destroy_all_workspaces_for_current_thread",
     "detach",
@@ -101,6 +102,7 @@ __all__ = [
     "scope_out_of_workspaces",
     "set_auto_gc_window",
     "toggle_periodic_gc",
+    "torch",
     "workspace",
     "workspaces",
 ]

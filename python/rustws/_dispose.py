@@ -177,9 +177,7 @@ def dispose_statistics() -> DisposeStatistics:
 
 
 def _register(a: Any) -> None:
-    """Called by every new rustws-owned array."""
-    import weakref
-
+    """Called by every new rustws-owned array; the array calls ``_collected`` when it dies."""
     stats = _state.stats
     stats.live += 1
     chain = _state.chain
@@ -190,18 +188,19 @@ def _register(a: Any) -> None:
         stats.created_in_scope += 1
     else:
         stats.created_outside_scope += 1
-    weakref.finalize(a, _collected, stats, a._dispose_flag)
 
 
-def _collected(stats: DisposeStatistics, flag: list[bool]) -> None:
-    if not flag[0]:
+def _collected(a: Any) -> None:
+    """Called when an array that was never disposed dies."""
+    stats = getattr(a, "_stats", None)
+    if stats is not None and not a._disposed:
         stats.live -= 1
 
 
 def _disposed(a: Any) -> None:
     """Called by an array's ``dispose()``, once (counted on the thread that created it)."""
     stats = a._stats
-    a._dispose_flag[0] = True
+    a._disposed = True
     stats.live -= 1
     scope = a._scope
     if scope is not None:

@@ -1,7 +1,7 @@
 """Type stubs for the compiled bindings ``rustws._rustws``."""
 
 import contextvars
-from typing import Any, Self
+from typing import Any, Self, final
 
 import numpy as np
 from typing_extensions import disjoint_base
@@ -9,18 +9,22 @@ from typing_extensions import disjoint_base
 __all__ = [
     "HEADER_BYTES",
     "SCOPES",
+    "DeviceBuffer",
     "WorkspaceCore",
     "__version__",
     "build_info",
     "cuda_device_count",
     "cuda_probe",
     "current_workspace",
+    "dlpack_capsule",
     "env_debug_mode",
     "get_handler",
     "parse_size",
     "pop_scope",
     "push_scope",
     "set_handler",
+    "torch_blocks",
+    "torch_route",
     "validate_config",
 ]
 
@@ -38,12 +42,44 @@ def cuda_device_count() -> int: ...
 def push_scope(owner: object | None, install: bool, handler: object | None) -> None: ...
 def pop_scope(owner: object | None) -> None: ...
 def current_workspace() -> Any: ...
+def dlpack_capsule(
+    owner: object,
+    ptr: int,
+    shape: list[int],
+    strides: list[int] | None,
+    dtype: tuple[int, int, int],
+    device: tuple[int, int],
+    versioned: bool,
+    readonly: bool = False,
+    copied: bool = False,
+) -> object: ...
+def torch_route(workspace: WorkspaceCore | None, ordinal: int = 0) -> None: ...
+def torch_blocks() -> tuple[int, int]: ...
 
 SCOPES: contextvars.ContextVar[Any]
 
+@final
+class DeviceBuffer:
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def copy_from_host(self, array: np.ndarray[Any, Any]) -> None: ...
+    def copy_to_host(self, array: np.ndarray[Any, Any]) -> None: ...
+    def copy_from(self, other: DeviceBuffer, nbytes: int) -> None: ...
+    def order_before(self, stream: int) -> None: ...
+
 @disjoint_base
 class WorkspaceCore:
-    def __new__(cls, name: str, config: dict[str, Any]) -> WorkspaceCore: ...
+    def __new__(cls, name: str, config: dict[str, Any], backend: str | None = None) -> WorkspaceCore: ...
+    @property
+    def backend_name(self) -> str: ...
+    @property
+    def host_accessible(self) -> bool: ...
+    def _buffer(self, nbytes: int, zeroed: bool = False) -> DeviceBuffer: ...
+    def device_memory_info(self) -> tuple[int, int] | None: ...
+    def _open_cycle(self) -> None: ...
+    def _close_cycle(self) -> None: ...
     @property
     def name(self) -> str: ...
     @property

@@ -24,6 +24,10 @@ import numpy as np
 from . import _rustws
 from ._config import WorkspaceConfiguration, WorkspaceStats
 from ._errors import LeakedArrayError, NoSuchWorkspaceError, WorkspaceClosedError
+from .cuda import DeviceArray, _normalize_shape
+
+_over_buffer = DeviceArray._over_buffer
+_DTYPE_TYPES = frozenset(type(np.dtype(c)) for c in "?bhilqBHILQefdgFDG")
 
 try:  # NumPy 2
     from numpy._core.multiarray import get_handler_name as _get_handler_name
@@ -191,32 +195,189 @@ def _check_device(device: Any) -> tuple[str, int | None]:
     raise ValueError(f"invalid device {device!r}: expected 'cpu' or 'cuda:N'")
 
 
+def _device_dtype(dtype: Any) -> np.dtype[Any]:
+    dt = dtype if isinstance(dtype, np.dtype) else np.dtype(float if dtype is None else dtype)
+    if dt.hasobject:
+        raise TypeError(f"dtype {dt} holds Python objects; workspace memory never holds Python references")
+    return dt
+
+
+def _fortran(order: Any) -> bool:
+    if order in ("C", "c"):
+        return False
+    if order in ("F", "f"):
+        return True
+    raise ValueError(f"order must be 'C' or 'F', got {order!r}")
+
+
 class DeviceWorkspace(Workspace):
-    """A device workspace. Without a usable GPU (always, in this build) its memory is host memory
-    and its arrays are host-backed ``DeviceArray``s with ``device == "cpu"``."""
+    """A device workspace: its arrays are ``DeviceArray``s over device memory (with a pinned
+    host mirror under ``MirroringPolicy.FULL``). Under ``HOST_ONLY``, or in a host fallback when
+    no GPU can be used, its memory is host memory and its arrays have ``device == "cpu"``."""
 
     requested_device: str
     fallback_reason: str | None
+    _on_device: bool
+    _dl: tuple[int, int]
+    _mirror_ws: Workspace | None
 
+    def _setup_device(
+        self,
+        requested: str,
+        reason: str | None,
+        on_device: bool,
+        dl: tuple[int, int],
+        mirror: Workspace | None,
+    ) -> None:
+        self.requested_device, self.fallback_reason = requested, reason
+        self._on_device, self._dl, self._mirror_ws = on_device, dl, mirror
+
+    # Cycles: the mirror follows the device workspace's cycles, without becoming current.
+    def __enter__(self) -> DeviceWorkspace:
+        mirror = self._mirror_ws
+        if mirror is not None and not mirror.is_destroyed:
+            mirror._open_cycle()
+        try:
+            Workspace.__enter__(self)
+        except BaseException:
+            if mirror is not None and not mirror.is_destroyed:
+                mirror._close_cycle()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        try:
+            return bool(Workspace.__exit__(self, *exc))
+        finally:
+            mirror = self._mirror_ws
+            if mirror is not None and mirror.is_open:
+                mirror._close_cycle()
+
+    def destroy(self) -> None:
+        mirror = self._mirror_ws
+        if mirror is not None:
+            mirror.destroy()
+        Workspace.destroy(self)
+
+    close = destroy
+
+    # -- allocation -------------------------------------------------------------------------------
     def _wrap(self, host: np.ndarray) -> Any:
         from .cuda import DeviceArray
 
         return DeviceArray(host, self, self.device)
 
+    def _new(self, shape: Any, dtype: Any, order: Any, zeroed: bool) -> Any:
+        dims = _normalize_shape(shape)
+        dt = _device_dtype(dtype)
+        fortran = _fortran(order)
+        n = dt.itemsize
+        for d in dims:
+            n *= d
+        buf = self._buffer(n, zeroed)
+        return _over_buffer(buf, dims, dt, fortran, self, self.device, self._dl)
+
     def empty(self, shape: Any, dtype: Any = None, order: str = "C") -> Any:
+        if self._on_device:
+            # The per-call path of device arrays: plain tuples of ints and dtype objects skip
+            # normalisation.
+            if type(shape) is tuple and type(dtype) in _DTYPE_TYPES and order == "C" and len(shape) == 1:
+                n = shape[0]
+                if type(n) is int and n >= 0:
+                    return _over_buffer(
+                        self._buffer(n * dtype.itemsize), shape, dtype, False, self, self.device, self._dl
+                    )
+            return self._new(shape, dtype, order, False)
         return self._wrap(Workspace.empty(self, shape, dtype, order))
 
     def zeros(self, shape: Any, dtype: Any = None, order: str = "C") -> Any:
+        if self._on_device:
+            return self._new(shape, dtype, order, True)
         return self._wrap(Workspace.zeros(self, shape, dtype, order))
 
     def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> Any:
+        if self._on_device:
+            if dtype is None:
+                dtype = np.array(fill_value).dtype
+            out = self._new(shape, dtype, order, False)
+            return out.copy_from(np.full(out.shape, fill_value, out.dtype))
         return self._wrap(Workspace.full(self, shape, fill_value, dtype, order))
 
+    def _like(self, a: Any) -> tuple[tuple[int, ...], np.dtype[Any], str]:
+        from .cuda import DeviceArray
+
+        if isinstance(a, DeviceArray):
+            return a.shape, a.dtype, "F" if a._fortran else "C"
+        arr = np.asarray(a)
+        return arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+
     def empty_like(self, a: Any, dtype: Any = None) -> Any:
-        return self._wrap(Workspace.empty_like(self, np.asarray(a), dtype))
+        shape, dt, order = self._like(a)
+        return self.empty(shape, dt if dtype is None else dtype, order)
 
     def zeros_like(self, a: Any, dtype: Any = None) -> Any:
-        return self._wrap(Workspace.zeros_like(self, np.asarray(a), dtype))
+        shape, dt, order = self._like(a)
+        return self.zeros(shape, dt if dtype is None else dtype, order)
+
+
+def _device_workspace(
+    name: str, cfg: WorkspaceConfiguration, requested: str, ordinal: int, capture: bool
+) -> DeviceWorkspace:
+    """A device workspace on ``cuda:<ordinal>`` under ``cfg``'s mirroring policy, or its host
+    fallback (warned about, or refused when ``helper_allow_fallback`` is false)."""
+    from ._config import MirroringPolicy
+    from .cuda import _KDL_CPU, _KDL_CUDA, _fallback_or_raise
+
+    core = cfg._core_dict()
+    if cfg.policy_mirroring == MirroringPolicy.HOST_ONLY:
+        ws = DeviceWorkspace(name, core)
+        ws._setup(cfg, "cpu", capture)
+        ws._setup_device(requested, None, False, (_KDL_CPU, 0), None)
+        return ws
+    reason = _fallback_or_raise(requested, ordinal, cfg.helper_allow_fallback)
+    if reason is not None:
+        warnings.warn(
+            f"workspace {name!r}: device {requested!r} is unavailable ({reason}); "
+            "falling back to host memory",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        ws = DeviceWorkspace(name, core)
+        ws._setup(cfg, "cpu", capture)
+        ws._setup_device(requested, reason, False, (_KDL_CPU, 0), None)
+        return ws
+    mirror = None
+    if cfg.policy_mirroring == MirroringPolicy.FULL:
+        mirror = Workspace(f"{name}/host-mirror", core, f"pinned:{ordinal}")
+        mirror._setup(cfg, "cpu", False)
+        _BY_ID[mirror.id] = mirror
+    ws = DeviceWorkspace(name, core, f"cuda:{ordinal}")
+    ws._setup(cfg, requested, False)
+    ws._setup_device(requested, None, True, (_KDL_CUDA, ordinal), mirror)
+    return ws
+
+
+def _standin_workspace(
+    name: str, config: WorkspaceConfiguration | None = None, *, dl_device: tuple[int, int] = (2, 0)
+) -> DeviceWorkspace:
+    """A device workspace over host memory that the workspace treats as device memory (headers
+    kept apart, every access through the backend), reporting ``dl_device`` to DLPack: the device
+    code path, for tests on machines without a GPU. Under ``FULL`` mirroring its mirror is
+    ordinary host memory. Not registered on the thread."""
+    from ._config import MirroringPolicy
+
+    cfg = config if config is not None else WorkspaceConfiguration()
+    core = cfg._core_dict()
+    mirror = None
+    if cfg.policy_mirroring == MirroringPolicy.FULL:
+        mirror = Workspace(f"{name}/host-mirror", core)
+        mirror._setup(cfg, "cpu", False)
+        _BY_ID[mirror.id] = mirror
+    ws = DeviceWorkspace(name, core, "standin")
+    ws._setup(cfg, "cuda:0", False)
+    ws._setup_device("cuda:0", None, True, dl_device, mirror)
+    _BY_ID[ws.id] = ws
+    return ws
 
 
 def workspace(
@@ -253,17 +414,7 @@ def workspace(
         ws = Workspace(name, cfg._core_dict())
         ws._setup(cfg, dev, capture)
     else:
-        from .cuda import _fallback_or_raise
-
-        reason = _fallback_or_raise(dev, ordinal, cfg.helper_allow_fallback)
-        warnings.warn(
-            f"workspace {name!r}: device {dev!r} is unavailable ({reason}); falling back to host memory",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        ws = DeviceWorkspace(name, cfg._core_dict())
-        ws._setup(cfg, "cpu", capture)
-        ws.requested_device, ws.fallback_reason = dev, reason
+        ws = _device_workspace(name, cfg, dev, ordinal, capture)
     ws._registry = reg
     reg[name] = ws
     _BY_ID[ws.id] = ws
@@ -336,7 +487,9 @@ def owner(a: Any) -> Workspace | None:
     from .cuda import DeviceArray
 
     if isinstance(a, DeviceArray):
-        return None if a.is_disposed else owner(a._array())
+        if a.is_disposed:
+            return None
+        return owner(a._host) if a._host is not None else a.workspace
     base = a
     while isinstance(base, np.ndarray) and not base.flags.owndata and base.base is not None:
         base = base.base

@@ -74,6 +74,30 @@ pub trait Backend: Send + Sync + fmt::Debug {
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), len) }
     }
 
+    /// Copies `len` bytes of this backend's memory at `src` into host memory at `dst`; `Err`
+    /// describes a failed transfer.
+    ///
+    /// # Safety
+    /// `[src, src + len)` lies in a live block of this backend owned by the caller, and `dst` is
+    /// valid host memory for `len` bytes of writes, not overlapping it.
+    unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        // SAFETY: as the caller guarantees (a host-memory backend: both ranges are host memory).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), len) };
+        Ok(())
+    }
+
+    /// Copies `len` bytes of host memory at `src` into this backend's memory at `dst`; `Err`
+    /// describes a failed transfer.
+    ///
+    /// # Safety
+    /// `[dst, dst + len)` lies in a live block of this backend owned by the caller, and `src` is
+    /// valid host memory for `len` bytes of reads, not overlapping it.
+    unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        // SAFETY: as the caller guarantees (a host-memory backend: both ranges are host memory).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), len) };
+        Ok(())
+    }
+
     /// Tells the backend that `[ptr, ptr + len)` of a mapped region holds nothing of value; it
     /// may return the pages to the system (they read as zero, or their old contents, afterwards).
     /// `ptr` and `len` are page-aligned. The default keeps them.
@@ -457,6 +481,20 @@ impl Backend for LimitAdaptor {
     unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
         // SAFETY: forwarded with the caller's guarantee.
         unsafe { self.upstream.copy(dst, src, len) }
+    }
+
+    /// # Safety
+    /// As for [`Backend::copy_to_host`].
+    unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.copy_to_host(dst, src, len) }
+    }
+
+    /// # Safety
+    /// As for [`Backend::copy_from_host`].
+    unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.copy_from_host(dst, src, len) }
     }
 }
 

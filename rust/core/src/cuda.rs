@@ -132,8 +132,118 @@ impl Backend for CudaMemory {
         };
     }
 
+    /// # Safety
+    /// As for [`Backend::copy_to_host`].
+    unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        self.make_current()?;
+        // SAFETY: the caller guarantees `dst` is host memory valid for `len` bytes of writes and
+        // `src` lies in one of our live allocations.
+        let host = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr(), len) };
+        // SAFETY: as above; the copy is synchronous, so `host` is not used after return.
+        unsafe { result::memcpy_dtoh_sync(host, src.as_ptr() as usize as sys::CUdeviceptr) }
+            .map_err(|e| format!("copy from CUDA device {} failed: {e:?}", self.ordinal))
+    }
+
+    /// # Safety
+    /// As for [`Backend::copy_from_host`].
+    unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        self.make_current()?;
+        // SAFETY: the caller guarantees `src` is host memory valid for `len` bytes of reads.
+        let host = unsafe { std::slice::from_raw_parts(src.as_ptr(), len) };
+        // SAFETY: `dst` lies in one of our live allocations; the copy is synchronous.
+        unsafe { result::memcpy_htod_sync(dst.as_ptr() as usize as sys::CUdeviceptr, host) }
+            .map_err(|e| format!("copy to CUDA device {} failed: {e:?}", self.ordinal))
+    }
+
     fn host_accessible(&self) -> bool {
         false
+    }
+}
+
+impl CudaMemory {
+    /// Orders work later submitted to `stream` (a `CUstream` handle, or 1 / 2 for the legacy /
+    /// per-thread default stream, as DLPack and the CUDA array interface number them) after
+    /// everything this backend has issued so far. Its copies and fills run on the legacy default
+    /// stream, which already orders the legacy stream itself.
+    pub fn order_before(&self, stream: usize) -> Result<(), String> {
+        if stream == 1 {
+            return Ok(());
+        }
+        self.make_current()?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| format!("cannot create a CUDA event: {e:?}"))?;
+        // SAFETY: `event` is live until destroyed below; the legacy stream always exists, and the
+        // caller names a stream of this context (the DLPack / CAI contract of the consumer).
+        let r = unsafe {
+            result::event::record(event, 1usize as sys::CUstream).and_then(|()| {
+                result::stream::wait_event(
+                    stream as sys::CUstream,
+                    event,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            })
+        };
+        // SAFETY: created above; destroying a recorded event defers its release to completion.
+        let _ = unsafe { result::event::destroy(event) };
+        r.map_err(|e| format!("cannot order CUDA stream {stream:#x} after the workspace's work: {e:?}"))
+    }
+
+    /// Free and total bytes of the device.
+    pub fn memory_info(&self) -> Result<(usize, usize), String> {
+        self.make_current()?;
+        result::mem_get_info().map_err(|e| format!("{e:?}"))
+    }
+}
+
+/// Page-locked host memory from the CUDA driver: the host side of a mirrored device workspace,
+/// and the fast path for copies to and from the device. Host-accessible, so the arena keeps its
+/// headers inline.
+#[derive(Debug)]
+pub struct PinnedHostMemory {
+    device: CudaMemory,
+}
+
+impl PinnedHostMemory {
+    /// Pinned memory usable by device `ordinal` (and, being portable, by every context).
+    pub fn new(ordinal: usize) -> Result<Self, Error> {
+        Ok(PinnedHostMemory { device: CudaMemory::new(ordinal)? })
+    }
+}
+
+impl Backend for PinnedHostMemory {
+    fn name(&self) -> &'static str {
+        "cuda-pinned-host"
+    }
+
+    fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
+        self.device.make_current()?;
+        // SAFETY: a fresh allocation of `len` bytes; filled below before anything reads it.
+        let p = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(|e| format!("cannot pin {len} bytes of host memory: {e:?}"))?;
+        let p = NonNull::new(p.cast::<u8>()).ok_or_else(|| "cuMemHostAlloc returned null".to_string())?;
+        // Regions are zero-filled by contract (and pinned pages are resident: this is no fault).
+        // SAFETY: `p` is `len` bytes of host memory we own.
+        unsafe { p.as_ptr().write_bytes(0, len) };
+        Ok(p)
+    }
+
+    /// # Safety
+    /// As for [`Backend::unmap`].
+    unsafe fn unmap(&self, ptr: NonNull<u8>, _len: usize) {
+        let _ = self.device.make_current();
+        // SAFETY: the caller guarantees `ptr` came from `map` (cuMemHostAlloc), released once.
+        let _ = unsafe { result::free_host(ptr.as_ptr().cast()) };
+    }
+
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+        self.map(len, false)
+    }
+
+    /// # Safety
+    /// As for [`Backend::free_block`].
+    unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: blocks are allocations of `map`; forwarded with the caller's guarantee.
+        unsafe { self.unmap(ptr, len) }
     }
 }
 

@@ -542,3 +542,32 @@ fn a_named_mmap_file_keeps_live_blocks_through_growth() {
     drop((w, other));
     let _ = std::fs::remove_file(named);
 }
+
+#[test]
+fn host_transfers_round_trip_through_every_backend() {
+    // The path of `copy_from` / `to_numpy`: host bytes in, the backend's own copy and zero, host
+    // bytes out. On a device backend only these calls may touch the memory.
+    for_each_backend(|name, b| {
+        let mut w = ws(b, WorkspaceConfiguration { initial_size: 1 << 20, ..cfg() });
+        w.enter().unwrap();
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let a = w.alloc(src.len()).unwrap();
+        let c = w.alloc(src.len()).unwrap();
+        let z = w.alloc_zeroed(src.len()).unwrap();
+        let mut back = vec![0u8; src.len()];
+        // SAFETY: `a`, `c` and `z` are live blocks of `src.len()` bytes; the host buffers are ours.
+        unsafe {
+            b.copy_from_host(a, NonNull::new(src.as_ptr() as *mut u8).unwrap(), src.len()).unwrap();
+            b.copy(c, a, src.len());
+            b.copy_to_host(NonNull::new(back.as_mut_ptr()).unwrap(), c, src.len()).unwrap();
+            assert_eq!(back, src, "{name}: bytes changed on the way through");
+            b.copy_to_host(NonNull::new(back.as_mut_ptr()).unwrap(), z, src.len()).unwrap();
+            assert!(back.iter().all(|&x| x == 0), "{name}: alloc_zeroed left non-zero bytes");
+            w.free(a);
+            w.free(c);
+            w.free(z);
+        }
+        w.exit().unwrap();
+        w.verify();
+    });
+}

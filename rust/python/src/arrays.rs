@@ -168,6 +168,12 @@ impl WorkspaceCore {
         if self.shared.destroyed.load(Ordering::Relaxed) {
             return Err(to_py(py, Error::Destroyed { workspace: self.shared.name.clone() }));
         }
+        if !self.shared.host_accessible {
+            return Err(PyTypeError::new_err(format!(
+                "workspace {:?} holds device memory: NumPy arrays cannot live in it (device workspaces return DeviceArrays)",
+                self.shared.name
+            )));
+        }
         let capsule = self.capsule.bind(py);
         if !self.bypass && descr.itemsize() > 0 && direct_arrays_supported(py) {
             return self.new_array_direct(py, dims, descr, fortran, zeroed);

@@ -56,6 +56,8 @@ pub struct Shared {
     pub has_failures: AtomicBool,
     /// The thread that last opened a scope of this workspace, to name a cross-thread exit.
     pub entered_on: std::sync::atomic::AtomicU64,
+    /// Whether the CPU can touch the workspace's memory: NumPy may allocate from it only then.
+    pub host_accessible: bool,
 }
 
 /// Refusal messages kept between two cycle exits; later ones are counted, not kept.
@@ -74,6 +76,7 @@ pub fn take_last_refusal() -> Option<Error> {
 
 impl Shared {
     pub fn new(id: u64, workspace: Workspace) -> Self {
+        let host_accessible = workspace.backend().host_accessible();
         Shared {
             id,
             name: workspace.name().to_string(),
@@ -82,6 +85,7 @@ impl Shared {
             failures: Mutex::new(Vec::new()),
             has_failures: AtomicBool::new(false),
             entered_on: std::sync::atomic::AtomicU64::new(0),
+            host_accessible,
         }
     }
 
@@ -111,6 +115,12 @@ impl Shared {
     }
 
     fn alloc(&self, size: usize, zeroed: bool) -> *mut c_void {
+        if !self.host_accessible {
+            // Device memory under a NumPy array would crash the first read.
+            return self.refuse(Error::Unavailable {
+                what: format!("workspace {:?} holds device memory, which NumPy cannot use", self.name),
+            });
+        }
         let mut ws = self.lock();
         let r = if ws.is_destroyed() {
             // Captured code still running after `destroy()` gets ordinary memory.

@@ -5,6 +5,8 @@
 
 mod arrays;
 mod config;
+mod device;
+mod dlpack;
 mod handler;
 mod scope;
 
@@ -14,13 +16,15 @@ use std::sync::Arc;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use rustws_core::cuda::{CudaMemory, PinnedHostMemory};
 use rustws_core::{
-    AllocationPolicy, DebugMode, Error, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
-    Workspace,
+    AllocationPolicy, Backend, DebugMode, Error, LearningPolicy, LocationPolicy, MirroringPolicy, OpaqueMemory,
+    ResetPolicy, SpillPolicy, Workspace,
 };
 
 use arrays::{direct_arrays_supported, ArrayFields, NPY_ARRAY_OWNDATA};
 use config::{config_from_dict, parse_size, validate_config};
+use device::{DeviceBuffer, Memory};
 use handler::Shared;
 
 /// Raises the Python exception class `name` of `rustws._errors`.
@@ -78,7 +82,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("version", env!("CARGO_PKG_VERSION"))?;
     d.set_item("header_bytes", Workspace::header_bytes())?;
     d.set_item("profile", if cfg!(debug_assertions) { "debug" } else { "release" })?;
-    d.set_item("cuda_backend", "core (cudarc, loaded at run time); Python device arrays: host fallback")?;
+    d.set_item("cuda_backend", "cudarc driver API, loaded at run time (CUDA 12.8 bindings)")?;
     let names = |all: &[&'static str]| all.to_vec();
     d.set_item("allocation_policies", names(&AllocationPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;
     d.set_item("learning_policies", names(&LearningPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;
@@ -115,12 +119,14 @@ struct WorkspaceCore {
     capture: std::sync::atomic::AtomicBool,
     /// `use_cycle_detector`: report arrays that outlive their cycle.
     cycle_detector: bool,
+    /// Where the memory comes from (and the CUDA device, for device workspaces).
+    pub(crate) memory: Memory,
 }
 
 impl WorkspaceCore {
     /// Whether a cycle makes this workspace NumPy's current allocator.
     fn installs_handler(&self) -> bool {
-        self.capture.load(Ordering::Relaxed) && !self.bypass
+        self.capture.load(Ordering::Relaxed) && !self.bypass && self.shared.host_accessible
     }
 
     fn note_entered(&self) {
@@ -169,15 +175,46 @@ fn current_workspace(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
 
 #[pymethods]
 impl WorkspaceCore {
+    /// `backend`: None for host memory as the configuration's location policy says,
+    /// `"cuda:N"` for device N's memory, `"pinned:N"` for page-locked host memory registered
+    /// with device N's driver, `"standin"` for host memory that the workspace treats as device
+    /// memory (headers kept apart, every access through the backend).
     #[new]
-    fn new(py: Python<'_>, name: &str, config: &Bound<'_, PyDict>) -> PyResult<Self> {
+    #[pyo3(signature = (name, config, backend=None))]
+    fn new(py: Python<'_>, name: &str, config: &Bound<'_, PyDict>, backend: Option<&str>) -> PyResult<Self> {
         let c = config_from_dict(config)?;
-        let ws = Workspace::new(name, c).map_err(|e| to_py(py, e))?;
+        let ordinal = |spec: &str| -> PyResult<usize> {
+            spec.parse::<usize>()
+                .map_err(|_| PyValueError::new_err(format!("invalid backend {backend:?}: bad ordinal")))
+        };
+        let (ws, memory) = match backend {
+            None => {
+                let ws = Workspace::new(name, c).map_err(|e| to_py(py, e))?;
+                let memory = Memory { backend: ws.backend().clone(), cuda: None };
+                (ws, memory)
+            }
+            Some(spec) => {
+                let (backend, cuda): (Arc<dyn Backend>, Option<Arc<CudaMemory>>) = if spec == "standin" {
+                    (Arc::new(OpaqueMemory), None)
+                } else if let Some(n) = spec.strip_prefix("cuda:") {
+                    let gpu = Arc::new(CudaMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?);
+                    (gpu.clone(), Some(gpu))
+                } else if let Some(n) = spec.strip_prefix("pinned:") {
+                    (Arc::new(PinnedHostMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?), None)
+                } else {
+                    return Err(PyValueError::new_err(format!(
+                        "invalid backend {spec:?}: expected None, 'cuda:N', 'pinned:N' or 'standin'"
+                    )));
+                };
+                let ws = Workspace::with_backend(name, c, backend.clone()).map_err(|e| to_py(py, e))?;
+                (ws, Memory { backend, cuda })
+            }
+        };
         let bypass = ws.debug_mode() == DebugMode::BypassEverything;
         let cycle_detector = ws.config().use_cycle_detector;
         let shared = Arc::new(Shared::new(NEXT_ID.fetch_add(1, Ordering::Relaxed), ws));
         let capsule = handler::new_capsule(py, &shared)?;
-        Ok(WorkspaceCore { shared, capsule, bypass, capture: true.into(), cycle_detector })
+        Ok(WorkspaceCore { shared, capsule, bypass, capture: true.into(), cycle_detector, memory })
     }
 
     /// The workspace's name.
@@ -190,6 +227,36 @@ impl WorkspaceCore {
     #[getter]
     fn id(&self) -> u64 {
         self.shared.id
+    }
+
+    /// The name of the memory source (`anonymous`, `cuda`, `cuda-pinned-host` ...).
+    #[getter]
+    fn backend_name(&self) -> &'static str {
+        self.memory.backend.name()
+    }
+
+    /// Whether the CPU can read and write this workspace's memory.
+    #[getter]
+    fn host_accessible(&self) -> bool {
+        self.memory.backend.host_accessible()
+    }
+
+    /// A `DeviceBuffer` of `nbytes` (256-byte aligned) from this workspace; freed when the last
+    /// reference to it dies.
+    #[pyo3(signature = (nbytes, zeroed=false))]
+    fn _buffer(&self, py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<DeviceBuffer> {
+        if self.shared.destroyed.load(Ordering::Relaxed) {
+            return Err(to_py(py, Error::Destroyed { workspace: self.shared.name.clone() }));
+        }
+        self.new_buffer(py, nbytes, zeroed)
+    }
+
+    /// Free and total bytes of this workspace's CUDA device (None for other memory).
+    fn device_memory_info(&self, py: Python<'_>) -> PyResult<Option<(usize, usize)>> {
+        match &self.memory.cuda {
+            Some(c) => c.memory_info().map(Some).map_err(|e| to_py(py, Error::Unavailable { what: e })),
+            None => Ok(None),
+        }
     }
 
     /// Its NumPy `mem_handler` capsule.
@@ -226,10 +293,10 @@ impl WorkspaceCore {
         self.shared.lock().debug_mode().as_str()
     }
 
-    /// Whether cycles make this workspace NumPy's current allocator.
+    /// Whether cycles make this workspace NumPy's current allocator (never for device memory).
     #[getter]
     fn capture(&self) -> bool {
-        self.capture.load(Ordering::Relaxed)
+        self.capture.load(Ordering::Relaxed) && self.shared.host_accessible
     }
 
     #[setter]
@@ -328,6 +395,19 @@ impl WorkspaceCore {
         Ok(info.kind != rustws_core::BlockKind::Bypass)
     }
 
+    /// Opens (or nests) a cycle without making the workspace current: for a workspace that
+    /// follows another's cycles, such as a device workspace's host mirror.
+    fn _open_cycle(&self, py: Python<'_>) -> PyResult<()> {
+        let entered = self.shared.lock().enter();
+        entered.map_err(|e| to_py(py, e))
+    }
+
+    /// Closes what `_open_cycle` opened.
+    fn _close_cycle(&self, py: Python<'_>) -> PyResult<()> {
+        let exited = self.shared.lock().exit();
+        exited.map(|_| ()).map_err(|e| to_py(py, e))
+    }
+
     /// Sizes the arena now from what was learned.
     fn initialize(&self, py: Python<'_>) -> PyResult<()> {
         let done = self.shared.lock().initialize();
@@ -384,6 +464,10 @@ impl WorkspaceCore {
 #[pymodule]
 fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkspaceCore>()?;
+    m.add_class::<DeviceBuffer>()?;
+    m.add_function(wrap_pyfunction!(dlpack::dlpack_capsule, m)?)?;
+    m.add_function(wrap_pyfunction!(device::torch_route, m)?)?;
+    m.add_function(wrap_pyfunction!(device::torch_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(validate_config, m)?)?;
     m.add_function(wrap_pyfunction!(env_debug_mode, m)?)?;

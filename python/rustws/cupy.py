@@ -1,0 +1,44 @@
+"""CuPy integration: ``cupy.cuda.set_allocator(rustws.cupy.allocator(ws))`` serves every CuPy
+allocation from the device workspace ``ws``.
+
+Each allocation is one workspace block wrapped in ``cupy.cuda.UnownedMemory`` whose owner is the
+block itself, so the memory returns to the workspace when CuPy drops its last pointer to it, and
+is never reused before. Open cycles of ``ws`` around a loop (``with ws:``) and its arena serves
+every iteration after the first.
+
+CuPy is not a dependency of rustws: it is imported when the allocator is made, with a clear error
+when it is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["allocator"]
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError("rustws.cupy needs CuPy, which is not installed (pip install cupy-cuda12x)") from e
+    return cupy
+
+
+def allocator(ws: Any) -> Callable[[int], Any]:
+    """An allocator for ``cupy.cuda.set_allocator`` (and ``cupy.cuda.using_allocator``)."""
+    from .torch import _device_ordinal
+
+    ordinal = _device_ordinal(ws)
+    cupy = _cupy()
+    unowned = cupy.cuda.memory.UnownedMemory
+    pointer = cupy.cuda.memory.MemoryPointer
+    buffer = ws._buffer
+
+    def allocate(size: int) -> Any:
+        buf = buffer(size)
+        return pointer(unowned(buf.ptr, size, buf, ordinal), 0)
+
+    allocate.workspace = ws  # type: ignore[attr-defined]
+    return allocate

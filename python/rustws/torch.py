@@ -1,0 +1,119 @@
+"""PyTorch integration: ``with rustws.torch.use_workspace(ws):`` routes PyTorch's CUDA
+allocations made in the block to the device workspace ``ws``.
+
+The extension module exports ``rustws_torch_malloc`` / ``rustws_torch_free`` with the signatures
+``torch.cuda.memory.CUDAPluggableAllocator`` loads. They serve PyTorch's caching allocator
+through a ``torch.cuda.MemPool`` of the workspace, made current with ``torch.cuda.use_mem_pool``,
+so the routing is scoped to the block and to the calling thread, and PyTorch keeps caching the
+segments it gets: a training step runs as it does under the default allocator, with its memory
+from the workspace (its arena when it has one, its limits, its statistics). Segments return to the
+workspace when PyTorch releases them, whenever that is; a destroyed workspace keeps them until
+then.
+
+PyTorch is not a dependency of rustws: it is imported on first use, with a clear error when it is
+missing or too old.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from . import _rustws
+
+__all__ = ["pluggable_allocator", "use_workspace"]
+
+_lock = threading.Lock()
+_routes: list[tuple[Any, int]] = []
+_allocator: Any = None
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError("rustws.torch needs PyTorch, which is not installed (pip install torch)") from e
+    return torch
+
+
+def _device_ordinal(ws: Any) -> int:
+    from ._workspace import DeviceWorkspace
+
+    if not isinstance(ws, DeviceWorkspace):
+        raise TypeError(f"use_workspace needs a device workspace, got {type(ws).__name__}")
+    if ws.is_destroyed:
+        raise ValueError(f"workspace {ws.name!r} was destroyed")
+    if not ws._on_device or ws._dl[0] != 2:
+        raise ValueError(
+            f"workspace {ws.name!r} holds host memory ({ws.fallback_reason or 'HOST_ONLY mirroring'}); "
+            "PyTorch's CUDA allocations need a workspace on a GPU"
+        )
+    return int(ws._dl[1])
+
+
+def _route(ws: Any, ordinal: int) -> None:
+    """Pushes ``ws`` as the target of the exported allocation functions (process-wide)."""
+    with _lock:
+        _routes.append((ws, ordinal))
+        _rustws.torch_route(ws, ordinal)
+
+
+def _unroute(ws: Any) -> None:
+    """Pops the innermost route of ``ws``; the previous target (if any) takes over again."""
+    with _lock:
+        for i in range(len(_routes) - 1, -1, -1):
+            if _routes[i][0] is ws:
+                del _routes[i]
+                break
+        if _routes:
+            _rustws.torch_route(*_routes[-1])
+        else:
+            _rustws.torch_route(None)
+
+
+def pluggable_allocator() -> Any:
+    """The process's ``CUDAPluggableAllocator`` over this module's exported functions."""
+    global _allocator
+    if _allocator is None:
+        torch = _torch()
+        _allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            _rustws.__file__, "rustws_torch_malloc", "rustws_torch_free"
+        )
+    return _allocator
+
+
+def _pool_api(torch: Any) -> tuple[Any, Any]:
+    cuda = torch.cuda
+    mem_pool = getattr(cuda, "MemPool", None) or getattr(cuda.memory, "MemPool", None)
+    use_mem_pool = getattr(cuda, "use_mem_pool", None) or getattr(cuda.memory, "use_mem_pool", None)
+    if mem_pool is None or use_mem_pool is None:
+        raise RuntimeError(
+            f"rustws.torch.use_workspace needs torch.cuda.MemPool and torch.cuda.use_mem_pool "
+            f"(PyTorch >= 2.6); this is PyTorch {torch.__version__}"
+        )
+    return mem_pool, use_mem_pool
+
+
+@contextlib.contextmanager
+def use_workspace(ws: Any) -> Iterator[Any]:
+    """Inside the block, PyTorch's CUDA allocations on this thread come from ``ws``; yields the
+    ``torch.cuda.MemPool`` that serves them (one per workspace, kept across blocks)."""
+    ordinal = _device_ordinal(ws)
+    torch = _torch()
+    mem_pool, use_mem_pool = _pool_api(torch)
+    pool = ws.__dict__.get("_torch_pool")
+    if pool is None:
+        pool = ws._torch_pool = mem_pool(pluggable_allocator().allocator())
+    _route(ws, ordinal)
+    try:
+        with use_mem_pool(pool, device=torch.device("cuda", ordinal)):
+            yield pool
+    finally:
+        _unroute(ws)
+
+
+def held_by_torch() -> tuple[int, int]:
+    """Blocks PyTorch holds from rustws workspaces, and their bytes."""
+    return _rustws.torch_blocks()
