@@ -320,6 +320,16 @@ class DeviceWorkspace(Workspace):
         return self.zeros(shape, dt if dtype is None else dtype, order)
 
 
+def _mirror_config(cfg: WorkspaceConfiguration) -> dict[str, Any]:
+    """The host mirror's configuration: the device's, except that it learns its size from the
+    mirrors actually used (pinned memory is scarce, and many programs never read most arrays back)."""
+    from ._config import LearningPolicy
+
+    if cfg.policy_learning != LearningPolicy.NONE:
+        cfg = cfg.replace(initial_size=0)
+    return cfg._core_dict()
+
+
 def _device_workspace(
     name: str, cfg: WorkspaceConfiguration, requested: str, ordinal: int, capture: bool
 ) -> DeviceWorkspace:
@@ -348,7 +358,7 @@ def _device_workspace(
         return ws
     mirror = None
     if cfg.policy_mirroring == MirroringPolicy.FULL:
-        mirror = Workspace(f"{name}/host-mirror", core, f"pinned:{ordinal}")
+        mirror = Workspace(f"{name}/host-mirror", _mirror_config(cfg), f"pinned:{ordinal}")
         mirror._setup(cfg, "cpu", False)
         _BY_ID[mirror.id] = mirror
     ws = DeviceWorkspace(name, core, f"cuda:{ordinal}")
@@ -370,7 +380,7 @@ def _standin_workspace(
     core = cfg._core_dict()
     mirror = None
     if cfg.policy_mirroring == MirroringPolicy.FULL:
-        mirror = Workspace(f"{name}/host-mirror", core)
+        mirror = Workspace(f"{name}/host-mirror", _mirror_config(cfg))
         mirror._setup(cfg, "cpu", False)
         _BY_ID[mirror.id] = mirror
     ws = DeviceWorkspace(name, core, "standin")
