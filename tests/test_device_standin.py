@@ -296,6 +296,12 @@ def test_dlpack_arguments_are_checked():
         a.__dlpack__(dl_device=(1, 0))
     with pytest.raises(BufferError, match="DLPack"):
         s.__dlpack__()
+    with ws:
+        swapped = ws.empty(3, ">f8" if sys.byteorder == "little" else "<f8")
+        wide = ws.empty(3, np.longdouble) if np.dtype(np.longdouble).itemsize > 8 else swapped
+    for unsupported in (swapped, wide):  # consumers would misread them
+        with pytest.raises(BufferError, match="DLPack"):
+            unsupported.__dlpack__()
 
 
 def test_numpy_consumes_the_capsules_zero_copy():
@@ -440,6 +446,36 @@ def test_the_exported_torch_allocator_routes_to_the_workspace():
     assert malloc(8, 0, None) is None
     free(p, 1000, 0, None)  # freed after the block ended: still goes back to its workspace
     assert _rustws.torch_blocks() == (0, 0) and ws.stats().used_bytes == 0
+
+
+def test_torch_routes_are_per_thread():
+    import threading
+
+    from rustws.torch import _route, _unroute
+
+    malloc, free = _exports()
+    mine, theirs = dev("MINE"), dev("THEIRS")
+    routed, done = threading.Event(), threading.Event()
+
+    def other_thread():
+        _route(theirs, 0)
+        routed.set()
+        done.wait(10)
+        _unroute(theirs)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    _route(mine, 0)
+    try:
+        assert routed.wait(10)
+        p = malloc(4096, 0, None)
+        assert p and mine.stats().allocation_count == 1 and theirs.stats().allocation_count == 0
+        free(p, 4096, 0, None)
+    finally:
+        _unroute(mine)
+        done.set()
+        t.join()
+    assert malloc(64, 0, None) is None
 
 
 def test_torch_and_cupy_hooks_refuse_host_workspaces_and_say_what_is_missing(monkeypatch):

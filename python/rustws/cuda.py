@@ -61,7 +61,14 @@ def is_available() -> bool:
 
 def _dl_dtype(dtype: np.dtype[Any]) -> tuple[int, int, int]:
     code = _DL_CODES.get(dtype.kind)
-    if code is None or dtype.fields is not None or dtype.subdtype is not None:
+    if (
+        code is None
+        or dtype.fields is not None
+        or dtype.subdtype is not None
+        or not dtype.isnative
+        or (dtype.kind == "f" and dtype.itemsize > 8)
+        or (dtype.kind == "c" and dtype.itemsize > 16)
+    ):
         raise BufferError(f"dtype {dtype} cannot be exported through DLPack")
     return (code, dtype.itemsize * 8, 1)
 
@@ -318,6 +325,7 @@ class DeviceArray:
         if dl_device is not None and tuple(dl_device) != self._dl:
             raise BufferError(f"cannot export an array on {self._dl} to device {tuple(dl_device)}")
         buf = self._buf
+        dl_dtype = _dl_dtype(self._dtype)
         if self._dl[0] == _KDL_CUDA:
             if stream is None:
                 stream = 1
@@ -325,8 +333,6 @@ class DeviceArray:
                 raise TypeError(f"stream must be an int or None, got {type(stream).__name__}")
             if stream == 0 or stream < -1:
                 raise ValueError(f"invalid stream {stream}: 0 is ambiguous; use 1 (legacy default) or 2")
-            if stream != -1:
-                buf.order_before(stream)
         elif stream is not None and stream != -1:
             raise BufferError(f"a DeviceArray on DLPack device {self._dl} takes no stream (pass None)")
         copied = False
@@ -334,6 +340,8 @@ class DeviceArray:
             fresh = self._workspace._buffer(buf.nbytes)
             fresh.copy_from(buf, buf.nbytes)
             buf, copied = fresh, True
+        if stream is not None and stream != -1:
+            buf.order_before(stream)  # after the copy: the consumer waits for it too
         versioned = max_version is not None and int(max_version[0]) >= 1
         itemsize = self._dtype.itemsize
         strides = None if not self._fortran else [s // itemsize for s in self.strides]
@@ -342,7 +350,7 @@ class DeviceArray:
             int(buf.ptr),
             list(self._shape),
             strides,
-            _dl_dtype(self._dtype),
+            dl_dtype,
             self._dl,
             versioned,
             False,

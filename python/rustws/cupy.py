@@ -3,8 +3,9 @@ allocation from the device workspace ``ws``.
 
 Each allocation is one workspace block wrapped in ``cupy.cuda.UnownedMemory`` whose owner is the
 block itself, so the memory returns to the workspace when CuPy drops its last pointer to it, and
-is never reused before. Open cycles of ``ws`` around a loop (``with ws:``) and its arena serves
-every iteration after the first.
+is never handed out before. Open cycles of ``ws`` around a loop (``with ws:``) and its arena serves
+every iteration after the first. As with CuPy's own pool, a block is reused in stream order: work
+on a non-default stream must be finished (or the stream synchronised) before the array dies.
 
 CuPy is not a dependency of rustws: it is imported when the allocator is made, with a clear error
 when it is missing.

@@ -25,9 +25,15 @@ from . import _rustws
 
 __all__ = ["pluggable_allocator", "use_workspace"]
 
-_lock = threading.Lock()
-_routes: list[tuple[Any, int]] = []
+_local = threading.local()
 _allocator: Any = None
+
+
+def _routes() -> list[tuple[Any, int]]:
+    routes = getattr(_local, "routes", None)
+    if routes is None:
+        routes = _local.routes = []
+    return routes
 
 
 def _torch() -> Any:
@@ -54,23 +60,23 @@ def _device_ordinal(ws: Any) -> int:
 
 
 def _route(ws: Any, ordinal: int) -> None:
-    """Pushes ``ws`` as the target of the exported allocation functions (process-wide)."""
-    with _lock:
-        _routes.append((ws, ordinal))
-        _rustws.torch_route(ws, ordinal)
+    """Pushes ``ws`` as the target of this thread's calls of the exported allocation functions."""
+    routes = _routes()
+    routes.append((ws, ordinal))
+    _rustws.torch_route(ws, ordinal)
 
 
 def _unroute(ws: Any) -> None:
-    """Pops the innermost route of ``ws``; the previous target (if any) takes over again."""
-    with _lock:
-        for i in range(len(_routes) - 1, -1, -1):
-            if _routes[i][0] is ws:
-                del _routes[i]
-                break
-        if _routes:
-            _rustws.torch_route(*_routes[-1])
-        else:
-            _rustws.torch_route(None)
+    """Pops this thread's innermost route of ``ws``; the previous target (if any) takes over."""
+    routes = _routes()
+    for i in range(len(routes) - 1, -1, -1):
+        if routes[i][0] is ws:
+            del routes[i]
+            break
+    if routes:
+        _rustws.torch_route(*routes[-1])
+    else:
+        _rustws.torch_route(None)
 
 
 def pluggable_allocator() -> Any:

@@ -65,9 +65,34 @@ impl CudaMemory {
         self.ordinal
     }
 
-    fn make_current(&self) -> Result<(), String> {
+    /// Makes this device's context current on the calling thread until the guard drops, which
+    /// restores the thread's previous context: the frameworks sharing the thread (PyTorch, CuPy)
+    /// keep the device they had.
+    fn make_current(&self) -> Result<ContextGuard, String> {
+        let ours = self.context as sys::CUcontext;
+        let previous = result::ctx::get_current().map_err(|e| format!("{e:?}"))?;
+        if previous == Some(ours) {
+            return Ok(ContextGuard { restore: None });
+        }
         // SAFETY: the context was retained in `new` and is released only in `drop`.
-        unsafe { result::ctx::set_current(self.context as sys::CUcontext) }.map_err(|e| format!("{e:?}"))
+        unsafe { result::ctx::set_current(ours) }.map_err(|e| format!("{e:?}"))?;
+        Ok(ContextGuard { restore: Some(previous.map_or(0, |c| c as usize)) })
+    }
+}
+
+/// Restores a thread's CUDA context (see [`CudaMemory::make_current`]).
+struct ContextGuard {
+    /// The context to restore, as an address (0: none was current).
+    restore: Option<usize>,
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        if let Some(previous) = self.restore {
+            // SAFETY: `previous` was the thread's current context when the guard was made (or
+            // null, which unbinds); the caller's framework keeps its own context alive.
+            let _ = unsafe { result::ctx::set_current(previous as sys::CUcontext) };
+        }
     }
 }
 
@@ -84,23 +109,26 @@ impl Backend for CudaMemory {
     }
 
     fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
-        self.make_current()?;
-        // SAFETY: the context is current; the result is a fresh device allocation.
-        let p = unsafe { result::malloc_sync(len) }
-            .map_err(|e| format!("CUDA device {} out of memory for {len} bytes: {e:?}", self.ordinal))?;
-        NonNull::new(p as usize as *mut u8).ok_or_else(|| "cuMemAlloc returned null".to_string())
+        let _ctx = self.make_current()?;
+        let p = self.alloc_device(len)?;
+        // Regions are zero-filled by contract.
+        // SAFETY: `p` is the fresh allocation of `len` bytes above.
+        unsafe { result::memset_d8_sync(p.as_ptr() as usize as sys::CUdeviceptr, 0, len) }
+            .map_err(|e| format!("cannot clear {len} bytes on CUDA device {}: {e:?}", self.ordinal))?;
+        Ok(p)
     }
 
     /// # Safety
     /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, _len: usize) {
-        let _ = self.make_current();
+        let _ctx = self.make_current();
         // SAFETY: the caller guarantees `ptr` came from `map` and is released once.
         let _ = unsafe { result::free_sync(ptr.as_ptr() as usize as sys::CUdeviceptr) };
     }
 
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
-        self.map(len, false)
+        let _ctx = self.make_current()?;
+        self.alloc_device(len)
     }
 
     /// # Safety
@@ -113,7 +141,7 @@ impl Backend for CudaMemory {
     /// # Safety
     /// As for [`Backend::zero`].
     unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
-        let _ = self.make_current();
+        let _ctx = self.make_current();
         // SAFETY: the caller guarantees the range lies in one of our live allocations.
         let _ = unsafe { result::memset_d8_sync(ptr.as_ptr() as usize as sys::CUdeviceptr, 0, len) };
     }
@@ -121,7 +149,7 @@ impl Backend for CudaMemory {
     /// # Safety
     /// As for [`Backend::copy`].
     unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
-        let _ = self.make_current();
+        let _ctx = self.make_current();
         // SAFETY: the caller guarantees both ranges lie in our live allocations, disjoint.
         let _ = unsafe {
             result::memcpy_dtod_sync(
@@ -135,7 +163,7 @@ impl Backend for CudaMemory {
     /// # Safety
     /// As for [`Backend::copy_to_host`].
     unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
-        self.make_current()?;
+        let _ctx = self.make_current()?;
         // SAFETY: the caller guarantees `dst` is host memory valid for `len` bytes of writes and
         // `src` lies in one of our live allocations.
         let host = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr(), len) };
@@ -147,7 +175,7 @@ impl Backend for CudaMemory {
     /// # Safety
     /// As for [`Backend::copy_from_host`].
     unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
-        self.make_current()?;
+        let _ctx = self.make_current()?;
         // SAFETY: the caller guarantees `src` is host memory valid for `len` bytes of reads.
         let host = unsafe { std::slice::from_raw_parts(src.as_ptr(), len) };
         // SAFETY: `dst` lies in one of our live allocations; the copy is synchronous.
@@ -161,6 +189,14 @@ impl Backend for CudaMemory {
 }
 
 impl CudaMemory {
+    /// `len` fresh bytes of device memory; the context must be current.
+    fn alloc_device(&self, len: usize) -> Result<NonNull<u8>, String> {
+        // SAFETY: the caller made the context current; the result is a fresh device allocation.
+        let p = unsafe { result::malloc_sync(len) }
+            .map_err(|e| format!("CUDA device {} out of memory for {len} bytes: {e:?}", self.ordinal))?;
+        NonNull::new(p as usize as *mut u8).ok_or_else(|| "cuMemAlloc returned null".to_string())
+    }
+
     /// Orders work later submitted to `stream` (a `CUstream` handle, or 1 / 2 for the legacy /
     /// per-thread default stream, as DLPack and the CUDA array interface number them) after
     /// everything this backend has issued so far. Its copies and fills run on the legacy default
@@ -169,7 +205,7 @@ impl CudaMemory {
         if stream == 1 {
             return Ok(());
         }
-        self.make_current()?;
+        let _ctx = self.make_current()?;
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| format!("cannot create a CUDA event: {e:?}"))?;
         // SAFETY: `event` is live until destroyed below; the legacy stream always exists, and the
@@ -190,7 +226,7 @@ impl CudaMemory {
 
     /// Free and total bytes of the device.
     pub fn memory_info(&self) -> Result<(usize, usize), String> {
-        self.make_current()?;
+        let _ctx = self.make_current()?;
         result::mem_get_info().map_err(|e| format!("{e:?}"))
     }
 }
@@ -216,7 +252,7 @@ impl Backend for PinnedHostMemory {
     }
 
     fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
-        self.device.make_current()?;
+        let _ctx = self.device.make_current()?;
         // SAFETY: a fresh allocation of `len` bytes; filled below before anything reads it.
         let p = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
             .map_err(|e| format!("cannot pin {len} bytes of host memory: {e:?}"))?;
@@ -230,7 +266,7 @@ impl Backend for PinnedHostMemory {
     /// # Safety
     /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, _len: usize) {
-        let _ = self.device.make_current();
+        let _ctx = self.device.make_current();
         // SAFETY: the caller guarantees `ptr` came from `map` (cuMemHostAlloc), released once.
         let _ = unsafe { result::free_host(ptr.as_ptr().cast()) };
     }

@@ -209,8 +209,12 @@ impl WorkspaceCore {
 
 // -- PyTorch's pluggable allocator ----------------------------------------------------------------
 
-/// The workspace PyTorch's allocations go to, and the device it serves.
-static TORCH_TARGET: Mutex<Option<(Arc<Shared>, i32)>> = Mutex::new(None);
+thread_local! {
+    /// The workspace this thread's PyTorch allocations go to, and the device it serves. PyTorch
+    /// calls the allocator on the thread that allocates, and `use_mem_pool` routes only that
+    /// thread's allocations to the pool, so the route is per thread too.
+    static TORCH_TARGET: std::cell::RefCell<Option<(Arc<Shared>, i32)>> = const { std::cell::RefCell::new(None) };
+}
 
 /// Blocks handed to PyTorch, by the pointer it got: (workspace, block).
 type TorchBlocks = HashMap<usize, (Arc<Shared>, usize)>;
@@ -220,11 +224,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Routes `rustws_torch_malloc` to `workspace` on device `ordinal` (None: refuse everything).
+/// Routes this thread's `rustws_torch_malloc` calls to `workspace` on device `ordinal` (None:
+/// refuse them).
 #[pyfunction]
 #[pyo3(signature = (workspace, ordinal=0))]
 pub(crate) fn torch_route(workspace: Option<&Bound<'_, WorkspaceCore>>, ordinal: i32) {
-    *lock(&TORCH_TARGET) = workspace.map(|w| (w.get().shared.clone(), ordinal));
+    let target = workspace.map(|w| (w.get().shared.clone(), ordinal));
+    TORCH_TARGET.with(|t| *t.borrow_mut() = target);
 }
 
 /// Blocks PyTorch holds from rustws workspaces, and their total bytes.
@@ -241,13 +247,15 @@ pub(crate) fn torch_blocks() -> (usize, usize) {
 }
 
 /// `void* alloc(ssize_t size, int device, cudaStream_t stream)` for
-/// `torch.cuda.memory.CUDAPluggableAllocator`: a block of the routed workspace, or NULL (which
-/// PyTorch reports as out of memory) when nothing is routed, the device differs, or the
-/// workspace refuses.
+/// `torch.cuda.memory.CUDAPluggableAllocator`: a block of the workspace routed on this thread,
+/// or NULL (which PyTorch reports as out of memory) when nothing is routed, the device differs,
+/// or the workspace refuses.
 #[no_mangle]
 pub extern "C" fn rustws_torch_malloc(size: isize, device: c_int, _stream: *mut c_void) -> *mut c_void {
     catch_unwind(AssertUnwindSafe(|| {
-        let Some((shared, ordinal)) = lock(&TORCH_TARGET).clone() else { return std::ptr::null_mut() };
+        let Some((shared, ordinal)) = TORCH_TARGET.try_with(|t| t.borrow().clone()).ok().flatten() else {
+            return std::ptr::null_mut();
+        };
         if device != ordinal || size < 0 {
             return std::ptr::null_mut();
         }
