@@ -196,7 +196,10 @@ class DeviceArray:
         return self
 
     def __del__(self) -> None:
-        _collected(self)
+        try:
+            _collected(self)
+        except Exception:  # pragma: no cover - interpreter shutdown (module globals cleared)
+            pass
 
     def _check(self) -> None:
         if self._disposed:
