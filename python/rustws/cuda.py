@@ -196,9 +196,10 @@ class DeviceArray:
         return self
 
     def __del__(self) -> None:
-        try:
+        # Not contextlib.suppress: at interpreter shutdown module globals may already be cleared.
+        try:  # noqa: SIM105
             _collected(self)
-        except Exception:  # pragma: no cover - interpreter shutdown (module globals cleared)
+        except Exception:  # pragma: no cover
             pass
 
     def _check(self) -> None:
