@@ -84,8 +84,12 @@ def _contiguous_strides(shape: tuple[int, ...], itemsize: int, fortran: bool) ->
 
 
 def _normalize_shape(shape: Any) -> tuple[int, ...]:
-    if type(shape) is tuple and all(type(d) is int and d >= 0 for d in shape):
-        return shape
+    if type(shape) is tuple:  # the common case, without a generator
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return shape
     if type(shape) is int and shape >= 0:
         return (shape,)
     if isinstance(shape, tuple):
@@ -486,6 +490,23 @@ def asarray(a: Any, workspace: Any) -> DeviceArray:
         return out.copy_from(src)
     np.copyto(out, src, casting="no")
     return DeviceArray(out, workspace, "cpu")
+
+
+def _gpu_ordinal(ws: Any, user: str) -> int:
+    """The CUDA ordinal of ``ws``, a live device workspace on a GPU; else a ``TypeError`` /
+    ``ValueError`` saying why ``user`` cannot take it."""
+    from ._workspace import DeviceWorkspace
+
+    if not isinstance(ws, DeviceWorkspace):
+        raise TypeError(f"{user} needs a device workspace, got {type(ws).__name__}")
+    if ws.is_destroyed:
+        raise ValueError(f"workspace {ws.name!r} was destroyed")
+    if not ws._on_device or ws._dl[0] != _KDL_CUDA:
+        raise ValueError(
+            f"workspace {ws.name!r} holds host memory ({ws.fallback_reason or 'HOST_ONLY mirroring'}); "
+            f"{user} needs a workspace on a GPU"
+        )
+    return int(ws._dl[1])
 
 
 def _fallback_or_raise(device: str, ordinal: int, allow_fallback: bool) -> str | None:

@@ -29,9 +29,9 @@ def _cupy() -> Any:
 
 def allocator(ws: Any) -> Callable[[int], Any]:
     """An allocator for ``cupy.cuda.set_allocator`` (and ``cupy.cuda.using_allocator``)."""
-    from .torch import _device_ordinal
+    from .cuda import _gpu_ordinal
 
-    ordinal = _device_ordinal(ws)
+    ordinal = _gpu_ordinal(ws, "rustws.cupy.allocator")
     cupy = _cupy()
     unowned = cupy.cuda.memory.UnownedMemory
     pointer = cupy.cuda.memory.MemoryPointer

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import _rustws
+from .cuda import _gpu_ordinal
 
 __all__ = ["pluggable_allocator", "use_workspace"]
 
@@ -42,21 +43,6 @@ def _torch() -> Any:
     except ImportError as e:
         raise ImportError("rustws.torch needs PyTorch, which is not installed (pip install torch)") from e
     return torch
-
-
-def _device_ordinal(ws: Any) -> int:
-    from ._workspace import DeviceWorkspace
-
-    if not isinstance(ws, DeviceWorkspace):
-        raise TypeError(f"use_workspace needs a device workspace, got {type(ws).__name__}")
-    if ws.is_destroyed:
-        raise ValueError(f"workspace {ws.name!r} was destroyed")
-    if not ws._on_device or ws._dl[0] != 2:
-        raise ValueError(
-            f"workspace {ws.name!r} holds host memory ({ws.fallback_reason or 'HOST_ONLY mirroring'}); "
-            "PyTorch's CUDA allocations need a workspace on a GPU"
-        )
-    return int(ws._dl[1])
 
 
 def _route(ws: Any, ordinal: int) -> None:
@@ -106,7 +92,7 @@ def _pool_api(torch: Any) -> tuple[Any, Any]:
 def use_workspace(ws: Any) -> Iterator[Any]:
     """Inside the block, PyTorch's CUDA allocations on this thread come from ``ws``; yields the
     ``torch.cuda.MemPool`` that serves them (one per workspace, kept across blocks)."""
-    ordinal = _device_ordinal(ws)
+    ordinal = _gpu_ordinal(ws, "rustws.torch.use_workspace")
     torch = _torch()
     mem_pool, use_mem_pool = _pool_api(torch)
     pool = ws.__dict__.get("_torch_pool")

@@ -90,7 +90,25 @@ impl Drop for Context {
     }
 }
 
-unsafe extern "C" fn delete_legacy(t: *mut DLManagedTensor) {
+/// The two managed-tensor structures, as their one deleter sees them.
+trait Managed {
+    fn manager_ctx(&self) -> *mut c_void;
+}
+
+impl Managed for DLManagedTensor {
+    fn manager_ctx(&self) -> *mut c_void {
+        self.manager_ctx
+    }
+}
+
+impl Managed for DLManagedTensorVersioned {
+    fn manager_ctx(&self) -> *mut c_void {
+        self.manager_ctx
+    }
+}
+
+/// The deleter of both structures: frees the tensor and releases its `Context`.
+unsafe extern "C" fn delete<T: Managed>(t: *mut T) {
     let _ = catch_unwind(AssertUnwindSafe(|| {
         if t.is_null() {
             return;
@@ -99,20 +117,7 @@ unsafe extern "C" fn delete_legacy(t: *mut DLManagedTensor) {
         // once; `manager_ctx` came from `Box::into_raw` of a `Context`.
         unsafe {
             let t = Box::from_raw(t);
-            drop(Box::from_raw(t.manager_ctx as *mut Context));
-        }
-    }));
-}
-
-unsafe extern "C" fn delete_versioned(t: *mut DLManagedTensorVersioned) {
-    let _ = catch_unwind(AssertUnwindSafe(|| {
-        if t.is_null() {
-            return;
-        }
-        // SAFETY: as for `delete_legacy`.
-        unsafe {
-            let t = Box::from_raw(t);
-            drop(Box::from_raw(t.manager_ctx as *mut Context));
+            drop(Box::from_raw(t.manager_ctx() as *mut Context));
         }
     }));
 }
@@ -122,11 +127,9 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     // SAFETY: Python passes our capsule; `PyCapsule_IsValid` sets no exception.
     unsafe {
         if ffi::PyCapsule_IsValid(capsule, LEGACY.as_ptr()) == 1 {
-            let t = ffi::PyCapsule_GetPointer(capsule, LEGACY.as_ptr()) as *mut DLManagedTensor;
-            delete_legacy(t);
+            delete(ffi::PyCapsule_GetPointer(capsule, LEGACY.as_ptr()) as *mut DLManagedTensor);
         } else if ffi::PyCapsule_IsValid(capsule, VERSIONED.as_ptr()) == 1 {
-            let t = ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr()) as *mut DLManagedTensorVersioned;
-            delete_versioned(t);
+            delete(ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr()) as *mut DLManagedTensorVersioned);
         }
     }
 }
@@ -188,13 +191,14 @@ pub(crate) fn dlpack_capsule(
         let t = Box::new(DLManagedTensorVersioned {
             version: DLPackVersion { major: DLPACK_MAJOR, minor: DLPACK_MINOR },
             manager_ctx: ctx,
-            deleter: Some(delete_versioned),
+            deleter: Some(delete::<DLManagedTensorVersioned>),
             flags,
             dl_tensor: tensor,
         });
         (Box::into_raw(t).cast(), VERSIONED)
     } else {
-        let t = Box::new(DLManagedTensor { dl_tensor: tensor, manager_ctx: ctx, deleter: Some(delete_legacy) });
+        let t =
+            Box::new(DLManagedTensor { dl_tensor: tensor, manager_ctx: ctx, deleter: Some(delete::<DLManagedTensor>) });
         (Box::into_raw(t).cast(), LEGACY)
     };
     // SAFETY: `pointer` is a heap tensor whose ownership passes to the capsule; the name is static.
@@ -203,9 +207,9 @@ pub(crate) fn dlpack_capsule(
         // SAFETY: no capsule took the tensor: delete it here, once.
         unsafe {
             if versioned {
-                delete_versioned(pointer.cast());
+                delete(pointer.cast::<DLManagedTensorVersioned>());
             } else {
-                delete_legacy(pointer.cast());
+                delete(pointer.cast::<DLManagedTensor>());
             }
         }
         return Err(PyErr::fetch(py));

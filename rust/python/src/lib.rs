@@ -238,7 +238,7 @@ impl WorkspaceCore {
     /// Whether the CPU can read and write this workspace's memory.
     #[getter]
     fn host_accessible(&self) -> bool {
-        self.memory.backend.host_accessible()
+        self.shared.host_accessible
     }
 
     /// A `DeviceBuffer` of `nbytes` (256-byte aligned) from this workspace; freed when the last
