@@ -31,6 +31,9 @@ pub enum BlockKind {
     External = 2,
     /// Outside the arena and outside the workspace's accounts (`helper_min_size`, bypass mode).
     Bypass = 3,
+    /// A request far larger than a cycle's usual footprint: a lazily faulted mapping of its own,
+    /// counted as external memory and kept for reuse while such requests recur.
+    Huge = 4,
 }
 
 /// The header in front of every block. Exactly one cache line, so data stays 64-byte aligned.
@@ -92,9 +95,9 @@ pub unsafe fn write_live_header(
 ///
 /// # Safety
 /// `data` was returned by [`write_live_header`] and its block has not been released to its backend.
-pub unsafe fn header_of<'a>(data: NonNull<u8>) -> &'a mut BlockHeader {
-    // SAFETY: the caller guarantees a header precedes `data` and is still mapped.
-    unsafe { &mut *data.as_ptr().sub(HEADER).cast::<BlockHeader>() }
+pub unsafe fn header_of(data: NonNull<u8>) -> NonNull<BlockHeader> {
+    // SAFETY: the caller guarantees a header precedes `data` inside the same allocation.
+    unsafe { data.sub(HEADER).cast::<BlockHeader>() }
 }
 
 /// One mapped region and its allocation state.
@@ -123,6 +126,13 @@ pub struct ArenaRegion {
     /// Every block in `[0, live_prefix)` is live: walks start here, so long-lived blocks at the
     /// front of the region cost nothing per cycle. Lowered by any free below it.
     live_prefix: usize,
+    /// Every byte at or above this offset is still zero as mapped (never carved, or released to
+    /// the system since): a zeroed request carved there needs no write. Blocks carved in the
+    /// current never-carved tail are accounted for when the tail closes (see `carved_end`).
+    dirty_end: usize,
+    /// Whether the region was retired: nothing is carved here any more, and freed memory goes
+    /// back to the system as it accumulates.
+    retired: bool,
 }
 
 // SAFETY: the region exclusively owns its mapping; the raw base pointer is only dereferenced
@@ -131,10 +141,15 @@ pub struct ArenaRegion {
 unsafe impl Send for ArenaRegion {}
 
 impl ArenaRegion {
-    /// Maps a region of `capacity` bytes (a multiple of 64) from `backend`.
-    pub fn new(id: u32, capacity: usize, backend: Arc<dyn Backend>, prefault: bool) -> Result<Self, String> {
+    /// Maps a region of `capacity` bytes (a multiple of 64) from `backend`, with its first
+    /// `prefault` bytes made resident now (page-rounded; the rest faults in on first use).
+    pub fn new(id: u32, capacity: usize, backend: Arc<dyn Backend>, prefault: usize) -> Result<Self, String> {
         debug_assert_eq!(capacity % BLOCK_ALIGN, 0);
-        let data = backend.map(capacity, prefault)?;
+        let prefault = crate::backend::round_to_page(prefault);
+        let data = backend.map(capacity, prefault >= capacity)?;
+        if prefault > 0 && prefault < capacity {
+            backend.populate(data, prefault);
+        }
         let meta = if backend.host_accessible() {
             data
         } else {
@@ -160,7 +175,36 @@ impl ArenaRegion {
             live_blocks: 0,
             freed_since_scan: 0,
             live_prefix: 0,
+            dirty_end: 0,
+            retired: false,
         })
+    }
+
+    /// The end of the memory ever carved from this region (or carved since it was last released
+    /// to the system): what a cycle has touched at most, the rest is untouched address space.
+    pub fn carved_end(&self) -> usize {
+        if self.tail {
+            self.dirty_end.max(self.cursor)
+        } else {
+            self.dirty_end.max(self.top)
+        }
+    }
+
+    /// Whether `[off, ..)`, just carved, is still zero as mapped. Exact: the tail is carved
+    /// upwards from `cursor`, and every hole below the chain end lies below `dirty_end`.
+    #[inline]
+    pub fn is_fresh(&self, off: usize) -> bool {
+        off >= self.dirty_end
+    }
+
+    /// Whether the region was retired.
+    pub fn is_retired(&self) -> bool {
+        self.retired
+    }
+
+    /// Bytes freed since the last walk or retirement scan.
+    pub fn freed_since_scan(&self) -> usize {
+        self.freed_since_scan
     }
 
     pub fn id(&self) -> u32 {
@@ -263,6 +307,7 @@ impl ArenaRegion {
     /// Afterwards the hole is empty: `cursor == limit`.
     fn close_hole(&mut self) {
         if self.tail {
+            self.dirty_end = self.dirty_end.max(self.cursor);
             self.top = self.cursor;
             self.tail = false;
             self.limit = self.cursor;
@@ -278,7 +323,9 @@ impl ArenaRegion {
     /// A header whose slot would not advance the walk, or would leave the region, means the
     /// memory in front of a block was overwritten: stop walking rather than loop or stray.
     fn plausible(&self, pos: usize, h: &BlockHeader) -> bool {
-        let ok = h.slot >= HEADER && h.slot % BLOCK_ALIGN == 0 && pos + h.slot <= self.capacity;
+        let ok = h.slot >= HEADER
+            && h.slot % BLOCK_ALIGN == 0
+            && pos.checked_add(h.slot).is_some_and(|end| end <= self.capacity);
         debug_assert!(ok, "corrupt block header at offset {pos} of region {}", self.id);
         ok
     }
@@ -369,17 +416,22 @@ impl ArenaRegion {
     /// Takes a block back.
     ///
     /// # Safety
-    /// `header` is the live header of a block this region handed out.
-    pub unsafe fn release(&mut self, header: &mut BlockHeader) {
-        debug_assert!(header.is_live() && header.region == self.id);
-        let off = (header as *mut BlockHeader as usize) - self.meta.as_ptr() as usize;
-        let slot = header.slot;
+    /// `header` points to the live header of a block this region handed out, and no reference
+    /// to that header is alive.
+    pub unsafe fn release(&mut self, header: NonNull<BlockHeader>) {
+        // SAFETY: the caller guarantees a live header of this region, not otherwise borrowed;
+        // the region's mapping (and so the header) outlives this call.
+        let h = unsafe { &mut *header.as_ptr() };
+        debug_assert!(h.is_live() && h.region == self.id);
+        let off = (header.as_ptr() as usize) - self.meta.as_ptr() as usize;
+        let slot = h.slot;
         self.live_blocks -= 1;
-        header.magic = MAGIC_FREE;
+        h.magic = MAGIC_FREE;
         self.live_prefix = self.live_prefix.min(off);
         if off + slot == self.cursor {
             // The block ends where the hole begins (typically the last one carved): the hole
-            // grows back over it, which needs no header inside the hole.
+            // grows back over it, which needs no header inside the hole. Its memory was used.
+            self.dirty_end = self.dirty_end.max(self.cursor);
             self.cursor = off;
         } else {
             self.freed_since_scan += slot;
@@ -390,6 +442,7 @@ impl ArenaRegion {
     /// walks from the start around the pinned blocks.
     pub fn rewind(&mut self) {
         if self.live_blocks == 0 {
+            self.dirty_end = self.carved_end();
             self.cursor = 0;
             self.limit = self.capacity;
             self.top = 0;
@@ -439,6 +492,8 @@ impl ArenaRegion {
     /// in it live: no more allocation happens here, so the pages of its free runs go back to the
     /// system and only pages under live blocks stay resident. O(blocks), once.
     pub fn retire(&mut self) {
+        self.retired = true;
+        self.freed_since_scan = 0;
         self.close_hole();
         let page = crate::backend::page_bytes();
         let discard = |this: &Self, from: usize, to: usize| {
@@ -475,6 +530,7 @@ impl ArenaRegion {
         }
         discard(self, self.top, self.capacity);
         // Nothing is carved here any more.
+        self.dirty_end = self.dirty_end.min(self.top.next_multiple_of(page));
         self.cursor = self.top;
         self.limit = self.top;
         self.tail = false;

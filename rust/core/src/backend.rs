@@ -51,6 +51,28 @@ pub trait Backend: Send + Sync + fmt::Debug {
         unsafe { alloc::dealloc(ptr.as_ptr(), layout) }
     }
 
+    /// Allocates one zero-filled block of `len` bytes aligned to [`BLOCK_ALIGN`]; released with
+    /// [`Backend::free_block`]. Backends that know when memory is already zero (a fresh mapping)
+    /// override it so that such memory is not written.
+    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, String> {
+        let p = self.alloc_block(len)?;
+        // SAFETY: `p` is a fresh block of `len` bytes, owned by the caller.
+        unsafe { self.zero(p, len) };
+        Ok(p)
+    }
+
+    /// Makes the first `len` bytes of a region resident now (page-aligned, within a region
+    /// mapped by `map` without pre-faulting), so that first writes there take no fault. The
+    /// default does nothing: the pages fault in on first use.
+    fn populate(&self, ptr: NonNull<u8>, len: usize) {
+        let _ = (ptr, len);
+    }
+
+    /// Whether [`Backend::discard`] leaves the pages reading as zero.
+    fn discard_zeroes(&self) -> bool {
+        false
+    }
+
     /// Whether the CPU can read and write this backend's memory.
     fn host_accessible(&self) -> bool {
         true
@@ -180,31 +202,70 @@ impl Backend for AnonymousMemory {
         unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTNEED) };
     }
 
-    /// Large blocks are mappings of their own, so that freeing one returns its memory to the
-    /// system at once (the C heap may keep it, inflating the footprint of a learning cycle).
+    fn populate(&self, ptr: NonNull<u8>, len: usize) {
+        prefault(ptr, len);
+    }
+
+    fn discard_zeroes(&self) -> bool {
+        true
+    }
+
+    /// Blocks come from the C heap, as NumPy's default allocator's do: small ones are recycled
+    /// by it, large ones are mappings of its own whose size it learns (glibc raises its mapping
+    /// threshold as they are freed), so a cycle served outside the arena costs what it costs
+    /// without rustws.
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
-        if len >= DIRECT_MAP_THRESHOLD {
-            mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)
-        } else {
-            HeapMemory.alloc_block(len)
-        }
+        c_heap_block(len, false)
+    }
+
+    /// `calloc` underneath: memory the C heap knows to be zero (a fresh mapping) is not written.
+    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, String> {
+        c_heap_block(len, true)
     }
 
     /// # Safety
     /// As for [`Backend::free_block`].
-    unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
-        if len >= DIRECT_MAP_THRESHOLD {
-            // SAFETY: blocks of this length were mapped by `alloc_block` above.
-            unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
-        } else {
-            // SAFETY: smaller blocks came from the heap, with this length.
-            unsafe { HeapMemory.free_block(ptr, len) };
+    unsafe fn free_block(&self, ptr: NonNull<u8>, _len: usize) {
+        // SAFETY: blocks of this backend come from `c_heap_block`, which stores the distance to
+        // the allocation's start in the word before the block.
+        unsafe {
+            let back = ptr.as_ptr().sub(C_HEAP_TAG).cast::<usize>().read();
+            libc::free(ptr.as_ptr().sub(back).cast());
         }
     }
 }
 
-/// External blocks at least this large get a mapping of their own.
-pub const DIRECT_MAP_THRESHOLD: usize = 256 << 10;
+/// Bytes in front of a C-heap block that record where its allocation starts.
+const C_HEAP_TAG: usize = std::mem::size_of::<usize>();
+
+/// A [`BLOCK_ALIGN`]-aligned block of `len` bytes from `malloc` (or `calloc`), with the distance
+/// back to the allocation's start stored in the word in front of it.
+fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, String> {
+    let total =
+        len.checked_add(BLOCK_ALIGN + C_HEAP_TAG).ok_or_else(|| format!("a block of {len} bytes is too large"))?;
+    // SAFETY: plain C allocation calls with a non-zero size.
+    let raw = unsafe {
+        if zeroed {
+            libc::calloc(1, total)
+        } else {
+            libc::malloc(total)
+        }
+    }
+    .cast::<u8>();
+    if raw.is_null() {
+        return Err(format!("the system allocator refused {len} bytes"));
+    }
+    let start = raw as usize;
+    let at = (start + C_HEAP_TAG).next_multiple_of(BLOCK_ALIGN);
+    let back = at - start;
+    // SAFETY: `at - C_HEAP_TAG >= raw` and `at + len <= raw + total`, so both the tag and the
+    // block lie inside the allocation; the tag is aligned (both addresses are multiples of 8).
+    unsafe {
+        let block = raw.add(back);
+        block.sub(C_HEAP_TAG).cast::<usize>().write(back);
+        Ok(NonNull::new_unchecked(block))
+    }
+}
 
 /// Memory mapped from a file. Each region gets a file of its own, so regions never share pages:
 /// a folder `path` gets a new file per region, unlinked at once (it disappears with its
@@ -469,6 +530,21 @@ impl Backend for LimitAdaptor {
         self.upstream.discard(ptr, len);
     }
 
+    fn discard_zeroes(&self) -> bool {
+        self.upstream.discard_zeroes()
+    }
+
+    fn populate(&self, ptr: NonNull<u8>, len: usize) {
+        self.upstream.populate(ptr, len);
+    }
+
+    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, String> {
+        self.reserve(len)?;
+        self.upstream.alloc_block_zeroed(len).inspect_err(|_| {
+            self.held.fetch_sub(len, Ordering::Relaxed);
+        })
+    }
+
     /// # Safety
     /// As for [`Backend::zero`].
     unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
@@ -523,7 +599,7 @@ mod tests {
         s.fill(7);
         // SAFETY: mapped above, released once.
         unsafe { b.unmap(p, len) };
-        for len in [100, DIRECT_MAP_THRESHOLD, 3 << 20] {
+        for len in [100, 256 << 10, 3 << 20] {
             let q = b.alloc_block(len).unwrap();
             assert_eq!(q.as_ptr() as usize % BLOCK_ALIGN, 0);
             // SAFETY: allocated above with `len` bytes.

@@ -68,6 +68,12 @@ policy_enum!(
         FirstLoop = "FIRST_LOOP",
         /// Learn over `cycles_before_initialization` cycles and keep adapting when cycles grow.
         OverTime = "OVER_TIME",
+        /// Learn from every cycle: the arena follows the largest need of the recent cycles
+        /// (growing at a cycle end after spills, or within a cycle that churns through external
+        /// memory, and shrinking once an outlier cycle has aged out), pre-faults only what
+        /// cycles used, and serves huge requests as lazily faulted mappings of their own. The
+        /// profile of `rustws.workspace(name)` without a configuration.
+        Adaptive = "ADAPTIVE",
     }
 );
 
@@ -192,6 +198,16 @@ fn invalid(field: &'static str, message: String) -> Error {
 }
 
 impl WorkspaceConfiguration {
+    /// The adaptive profile: learning ADAPTIVE, spills REALLOCATE (they size the next cycle),
+    /// every other field at its default.
+    pub fn adaptive() -> Self {
+        WorkspaceConfiguration {
+            policy_learning: LearningPolicy::Adaptive,
+            policy_spill: SpillPolicy::Reallocate,
+            ..WorkspaceConfiguration::default()
+        }
+    }
+
     /// Checks every field and every combination; the error names the first offending field.
     pub fn validate(&self) -> Result<(), Error> {
         for (field, value) in [

@@ -22,4 +22,4 @@ pub use config::{
     WorkspaceConfiguration,
 };
 pub use error::Error;
-pub use workspace::{BlockInfo, CycleReport, Workspace, WorkspaceStats};
+pub use workspace::{BlockInfo, CycleReport, Workspace, WorkspaceStats, HUGE_BLOCK_MIN, NEED_WINDOW, PREFAULT_LIMIT};

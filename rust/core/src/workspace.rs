@@ -3,6 +3,12 @@
 //! arena from that, spills what the arena cannot hold under its spill policy, and keeps the
 //! statistics of the contract exact. All methods take `&mut self`: a binding that frees from
 //! several threads puts the workspace behind one lock.
+//!
+//! What a cycle never touched costs address space, not memory: a region pre-faults at most what
+//! the learned cycles used (and never more than [`PREFAULT_LIMIT`]), zeroed requests carved from
+//! never-used memory are not written, and huge requests get lazily faulted mappings of their own.
+//! A learning (or adaptive) cycle that churns through external memory maps its arena before the
+//! cycle ends, so one long cycle is served from reused memory too.
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
@@ -19,13 +25,47 @@ use crate::error::Error;
 const HUGE_ROUND_THRESHOLD: usize = 64 << 20;
 const HUGE_PAGE: usize = 2 << 20;
 
+/// The most a region pre-faults when it is mapped; pages beyond fault in on first use.
+pub const PREFAULT_LIMIT: usize = 1 << 30;
+
+/// Requests at least this large, and at least half the learned need, are huge: served as
+/// mappings of their own (see [`BlockKind::Huge`]) rather than sizing the arena after them.
+pub const HUGE_BLOCK_MIN: usize = 64 << 20;
+
+/// Huge mappings kept for reuse once freed, at most.
+const HUGE_CACHE_BLOCKS: usize = 4;
+
+/// A cached huge mapping unused for this many cycles is released.
+const HUGE_CACHE_CYCLES: u64 = 2;
+
+/// Cycles whose needs the adaptive profile remembers: the arena follows their maximum.
+pub const NEED_WINDOW: usize = 8;
+
+/// External bytes a cycle must churn through (and at least twice its peak) before an arena is
+/// mapped within the cycle.
+const MID_CYCLE_CHURN: usize = 16 << 20;
+
+/// A retired region rescans for free pages to return once this much (and an eighth of it) was
+/// freed since the last scan.
+const RETIRED_RESCAN: usize = 1 << 20;
+
 impl Drop for Workspace {
     fn drop(&mut self) {
         for (_, h) in self.outside_headers.drain() {
             // SAFETY: each pointer owns a box leaked in `alloc_block`; reclaimed once, here.
             drop(unsafe { Box::from_raw(h.as_ptr()) });
         }
+        self.release_huge_cache(|_| true);
     }
+}
+
+/// A freed huge mapping kept for reuse.
+#[derive(Debug, Clone, Copy)]
+struct CachedMapping {
+    at: NonNull<u8>,
+    len: usize,
+    /// The generation of its last use.
+    used: u64,
 }
 
 /// Bytes of physical memory free right now (`sysconf(_SC_AVPHYS_PAGES)`), or `usize::MAX` when
@@ -84,6 +124,8 @@ pub struct CycleReport {
 struct CycleLearner {
     cycles_learned: u64,
     need: usize,
+    /// The adaptive profile's recent needs, by generation modulo the window.
+    recent: [usize; NEED_WINDOW],
 }
 
 /// Where a live block lives, for tests and `owner` lookups.
@@ -117,6 +159,19 @@ pub struct Workspace {
     initialized: bool,
     destroyed: bool,
     grow_at_cycle_end: bool,
+    /// `policy_learning` is ADAPTIVE.
+    adaptive: bool,
+    /// Huge requests get mappings of their own (host memory the workspace maps itself).
+    huge_blocks: bool,
+    /// Fresh memory reads as zero (the backend's regions and blocks are zero-filled host memory).
+    fresh_is_zero: bool,
+    huge_cache: Vec<CachedMapping>,
+    /// Live huge mappings: their total length.
+    huge_live_len: usize,
+    /// External slot bytes served in the open cycle since the last region was mapped.
+    cycle_churn: usize,
+    /// Bytes pre-faulted synchronously, in total.
+    prefaulted_bytes: u64,
     // The hot path keeps only these; everything else is derived (see `stats`, `exit`).
     /// Slot bytes (headers and padding included) of live blocks, arena and external.
     live_slot_bytes: usize,
@@ -163,6 +218,9 @@ impl Workspace {
     ) -> Result<Self, Error> {
         config.validate()?;
         let debug = config.effective_debug_mode();
+        let adaptive = config.policy_learning == LearningPolicy::Adaptive;
+        let host = backend.host_accessible();
+        let huge_blocks = host && config.policy_location == LocationPolicy::Ram;
         let mut ws = Workspace {
             name: name.into(),
             initialized: config.policy_learning == LearningPolicy::None,
@@ -179,6 +237,13 @@ impl Workspace {
             learner: CycleLearner::default(),
             destroyed: false,
             grow_at_cycle_end: false,
+            adaptive,
+            huge_blocks,
+            fresh_is_zero: host,
+            huge_cache: Vec::new(),
+            huge_live_len: 0,
+            cycle_churn: 0,
+            prefaulted_bytes: 0,
             live_slot_bytes: 0,
             used_bytes: 0,
             cycle_slot_peak: 0,
@@ -195,8 +260,9 @@ impl Workspace {
             failed_allocations: 0,
         };
         if ws.config.initial_size > 0 && ws.uses_arena() {
+            // Nothing was learned yet: the pages fault in as cycles first touch them.
             let cap = ws.capacity_for(0);
-            ws.replace_region(cap)?;
+            ws.replace_region(cap, 0)?;
         }
         Ok(ws)
     }
@@ -272,19 +338,21 @@ impl Workspace {
         self.region.iter().chain(self.retired.iter()).map(|r| r.capacity()).sum()
     }
 
-    /// Maps a new current region of `cap` bytes; the old one is dropped, or retired while blocks
-    /// in it live.
-    fn replace_region(&mut self, cap: usize) -> Result<(), Error> {
+    /// Maps a new current region of `cap` bytes with its first `used` bytes (what the learned
+    /// cycles used) pre-faulted; the old one is dropped, or retired while blocks in it live.
+    fn replace_region(&mut self, cap: usize, used: usize) -> Result<(), Error> {
         if cap == 0 {
             return Ok(());
         }
         let id = self.next_region_id;
-        // Pre-fault (so a learned cycle takes no page faults) unless the arena is larger than a
-        // quarter of the memory available now: then its pages fault in on first use instead.
-        let prefault = cap <= available_memory() / 4;
+        // Pre-fault what cycles will touch again, so that a learned cycle takes no page faults;
+        // the overallocation, and anything past the bounds, costs address space only.
+        let prefault = used.min(cap).min(PREFAULT_LIMIT).min(available_memory() / 4);
         let region = ArenaRegion::new(id, cap, self.backend.clone(), prefault).map_err(|detail| {
             Error::SystemOutOfMemory { workspace: self.name.clone(), requested: cap as u64, detail }
         })?;
+        self.prefaulted_bytes += crate::backend::round_to_page(prefault).min(cap) as u64;
+        self.cycle_churn = 0;
         self.next_region_id = self.next_region_id.wrapping_add(1).max(1);
         if let Some(mut old) = self.region.replace(region) {
             if old.live_blocks() > 0 {
@@ -304,7 +372,7 @@ impl Workspace {
         }
         let cap = self.capacity_for(self.learner.need);
         if cap > self.region.as_ref().map_or(0, |r| r.capacity()) {
-            self.replace_region(cap)?;
+            self.replace_region(cap, self.learner.need)?;
         }
         Ok(())
     }
@@ -323,6 +391,7 @@ impl Workspace {
         if self.depth == 0 {
             self.cycle_peak_bytes = self.used_bytes + self.external_bytes;
             self.cycle_slot_peak = self.live_slot_bytes;
+            self.cycle_churn = 0;
         }
         self.depth += 1;
         Ok(())
@@ -344,7 +413,9 @@ impl Workspace {
         let escaped_bytes = self.used_bytes + self.external_bytes - self.pinned_bytes;
         let need = self.cycle_slot_peak + (self.live_slot_bytes - self.pinned_slot_bytes);
         let learning = !self.initialized;
-        if learning {
+        if self.adaptive {
+            self.adapt(need);
+        } else if learning {
             self.learner.need = self.learner.need.max(need);
             self.learner.cycles_learned += 1;
             if self.learner.cycles_learned >= self.config.cycles_before_initialization.max(1) {
@@ -357,10 +428,14 @@ impl Workspace {
             self.learner.need = self.learner.need.max(need);
             let cap = self.capacity_for(self.learner.need);
             if cap > self.region.as_ref().map_or(0, |r| r.capacity()) {
-                let _ = self.replace_region(cap);
+                let _ = self.replace_region(cap, self.learner.need);
             }
         }
         self.grow_at_cycle_end = false;
+        if !self.huge_cache.is_empty() {
+            let now = self.generation;
+            self.release_huge_cache(|m| m.used + HUGE_CACHE_CYCLES <= now);
+        }
         if self.config.policy_reset == ResetPolicy::BlockLeft {
             if let Some(r) = self.region.as_mut() {
                 r.rewind();
@@ -374,24 +449,65 @@ impl Workspace {
         Ok(CycleReport { completed: true, escaped_blocks: escaped_blocks as u64, escaped_bytes })
     }
 
+    /// The adaptive profile's learning at a cycle end: the need is the largest of the recent
+    /// cycles'; the arena grows to it after a cycle that spilled, and shrinks to it once an
+    /// outlier cycle has left the window.
+    fn adapt(&mut self, need: usize) {
+        self.learner.recent[(self.generation % NEED_WINDOW as u64) as usize] = need;
+        self.learner.cycles_learned += 1;
+        self.initialized = true;
+        let window = self.learner.recent.iter().copied().max().unwrap_or(0);
+        self.learner.need = window;
+        if !self.uses_arena() {
+            return;
+        }
+        let target = self.capacity_for(window);
+        let cur = self.region.as_ref().map_or(0, |r| r.capacity());
+        let grow = target > cur || (self.grow_at_cycle_end && target > 0);
+        // Shrink only well below the current size, so cycles that vary a little never remap.
+        let shrink = cur > target.saturating_add(target / 10).max(crate::backend::round_to_page(1));
+        if grow || shrink {
+            // After spills with room enough on paper (fragmentation around pinned blocks), a
+            // fresh region of the same size leaves the pinned blocks behind in the old one.
+            let cap = if grow { target.max(cur) } else { target };
+            let _ = self.replace_region(cap, window);
+        }
+    }
+
     /// Allocates `size` bytes, 64-byte aligned, under the workspace's policies.
     #[inline]
     pub fn alloc(&mut self, size: usize) -> Result<NonNull<u8>, Error> {
+        self.alloc_in(size, false)
+    }
+
+    #[inline(always)]
+    fn alloc_in(&mut self, size: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
         // A destroyed workspace has no current region, so it always takes the slow path.
         let Some(slot) = slot_for(size) else {
             return Err(self.out_of_memory(size, "request too large"));
         };
-        if let Some(region) = self.region.as_mut() {
-            if (size as u64) >= self.config.helper_min_size {
-                if let Some(off) = region.carve(slot) {
-                    // SAFETY: `off` was just carved for this slot.
-                    let p = unsafe { region.hand_out(off, slot, size, self.generation) };
-                    self.count_arena(slot, size);
-                    return Ok(p);
-                }
+        if (size as u64) >= self.config.helper_min_size {
+            if let Some(p) = self.carve_arena(size, slot, zeroed) {
+                return Ok(p);
             }
         }
-        self.alloc_outside(size, slot)
+        self.alloc_outside(size, slot, zeroed)
+    }
+
+    /// Serves a request from the current region, if it fits.
+    #[inline(always)]
+    fn carve_arena(&mut self, size: usize, slot: usize, zeroed: bool) -> Option<NonNull<u8>> {
+        let region = self.region.as_mut()?;
+        let off = region.carve(slot)?;
+        let fresh = region.is_fresh(off);
+        // SAFETY: `off` was just carved for this slot.
+        let p = unsafe { region.hand_out(off, slot, size, self.generation) };
+        self.count_arena(slot, size);
+        if zeroed && !(fresh && self.fresh_is_zero) {
+            // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
+            unsafe { self.backend.zero(p, size) };
+        }
+        Some(p)
     }
 
     #[inline]
@@ -418,13 +534,18 @@ impl Workspace {
         }
     }
 
+    /// Bytes the workspace holds for the `max_size` limit: regions, external and huge blocks.
+    fn footprint(&self) -> u64 {
+        self.capacity_total() as u64 + self.external_slot_bytes + self.huge_live_len as u64
+    }
+
     #[cold]
-    fn alloc_outside(&mut self, size: usize, slot: usize) -> Result<NonNull<u8>, Error> {
+    fn alloc_outside(&mut self, size: usize, slot: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
         if self.destroyed {
             return Err(Error::Destroyed { workspace: self.name.clone() });
         }
         if self.debug == DebugMode::BypassEverything || (size as u64) < self.config.helper_min_size {
-            return self.alloc_block(BlockKind::Bypass, size, slot);
+            return self.alloc_block(BlockKind::Bypass, size, slot, zeroed);
         }
         let spill = (self.initialized && self.config.policy_allocation != AllocationPolicy::Always)
             || self.debug == DebugMode::SpillEverything;
@@ -437,17 +558,36 @@ impl Workspace {
             let g = self.config.temp_block_size as usize;
             ext = ext.div_ceil(g).saturating_mul(g);
         }
-        if self.config.max_size > 0 {
-            let footprint = self.capacity_total() as u64 + self.external_slot_bytes;
-            if footprint.saturating_add(ext as u64) > self.config.max_size {
-                self.failed_allocations += 1;
-                return Err(self.out_of_memory(size, "max_size reached"));
+        let huge = self.huge_blocks
+            && self.debug == DebugMode::Disabled
+            && size >= HUGE_BLOCK_MIN
+            && size >= self.learner.need / 2;
+        if huge {
+            ext = crate::backend::round_to_page(slot);
+        }
+        if self.config.max_size > 0 && self.footprint().saturating_add(ext as u64) > self.config.max_size {
+            self.failed_allocations += 1;
+            return Err(self.out_of_memory(size, "max_size reached"));
+        }
+        if huge {
+            return self.alloc_huge(size, ext, zeroed);
+        }
+        if self.maps_within_cycles() {
+            self.cycle_churn = self.cycle_churn.saturating_add(ext);
+            // Churn beyond twice the peak (this request included) means freed memory would have
+            // served the cycle again.
+            let peak = self.cycle_slot_peak.max(self.live_slot_bytes + ext);
+            if self.cycle_churn >= MID_CYCLE_CHURN && self.cycle_churn >= peak.saturating_mul(2) {
+                if let Some(p) = self.map_within_cycle(size, slot, zeroed) {
+                    return Ok(p);
+                }
             }
         }
-        let p = self.alloc_block(BlockKind::External, size, ext)?;
+        let p = self.alloc_block(BlockKind::External, size, ext, zeroed)?;
         if spill {
             self.spill_count += 1;
             if self.config.policy_spill == SpillPolicy::Reallocate
+                || self.adaptive
                 || (self.config.policy_learning == LearningPolicy::OverTime
                     && self.config.policy_spill != SpillPolicy::Fail)
             {
@@ -457,8 +597,116 @@ impl Workspace {
         Ok(p)
     }
 
-    fn alloc_block(&mut self, kind: BlockKind, size: usize, len: usize) -> Result<NonNull<u8>, Error> {
-        let at = self.backend.alloc_block(len).map_err(|detail| {
+    /// Whether an open cycle may map a (larger) arena before it ends: a learning cycle, or any
+    /// cycle of the adaptive profile.
+    fn maps_within_cycles(&self) -> bool {
+        self.depth > 0
+            && self.uses_arena()
+            && self.config.policy_reset == ResetPolicy::BlockLeft
+            && (self.adaptive || (!self.initialized && self.config.policy_learning != LearningPolicy::None))
+    }
+
+    /// The open cycle has churned through external memory: maps an arena sized for its peak so
+    /// far (at least twice the current one, so a growing cycle remaps O(log) times) and serves
+    /// the request from it. Its pages fault in as they are first used.
+    #[cold]
+    fn map_within_cycle(&mut self, size: usize, slot: usize, zeroed: bool) -> Option<NonNull<u8>> {
+        self.cycle_churn = 0;
+        let cur = self.region.as_ref().map_or(0, |r| r.capacity());
+        let cap = self.capacity_for(self.cycle_slot_peak.saturating_add(slot).max(cur.saturating_mul(2)));
+        if cap <= cur
+            || (self.config.max_size > 0 && self.footprint().saturating_add(cap as u64) > self.config.max_size)
+        {
+            return None;
+        }
+        self.replace_region(cap, 0).ok()?;
+        self.carve_arena(size, slot, zeroed)
+    }
+
+    /// A huge request: a mapping of its own, lazily faulted, reused from the cache when one of a
+    /// fitting size was freed (not for zeroed requests, unless the backend re-zeroes discarded
+    /// pages: a fresh mapping is zero without being written).
+    #[cold]
+    fn alloc_huge(&mut self, size: usize, len: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
+        let reuse = !zeroed || self.backend.discard_zeroes();
+        let fit = self
+            .huge_cache
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| reuse && m.len >= len && m.len - len <= len / 4)
+            .min_by_key(|(_, m)| m.len)
+            .map(|(i, _)| i);
+        let (at, len) = match fit {
+            Some(i) => {
+                let m = self.huge_cache.swap_remove(i);
+                if zeroed {
+                    self.backend.discard(m.at, m.len);
+                }
+                (m.at, m.len)
+            }
+            None => {
+                let at = self.backend.map(len, false).or_else(|first| {
+                    // Memory held in the cache may be what the system lacks.
+                    if self.huge_cache.is_empty() {
+                        return Err(first);
+                    }
+                    self.release_huge_cache(|_| true);
+                    self.backend.map(len, false)
+                });
+                let at = at.map_err(|detail| {
+                    self.failed_allocations += 1;
+                    Error::SystemOutOfMemory { workspace: self.name.clone(), requested: size as u64, detail }
+                })?;
+                (at, len)
+            }
+        };
+        // SAFETY: `at` is a fresh or reclaimed mapping of `len >= HEADER` bytes, page-aligned,
+        // owned by us; huge blocks exist only where headers sit in front of their blocks.
+        let p = unsafe { write_live_header(at, BlockKind::Huge, 0, len, size, self.generation) };
+        self.huge_live_len += len;
+        self.external_bytes += size as u64;
+        self.external_live_blocks += 1;
+        self.allocation_count += 1;
+        self.cycle_peak_bytes = self.cycle_peak_bytes.max(self.used_bytes + self.external_bytes);
+        Ok(p)
+    }
+
+    /// Takes a freed huge mapping back: into the cache, or to the system.
+    ///
+    /// # Safety
+    /// `at` and `len` describe a huge mapping of this workspace that no block uses any more.
+    unsafe fn put_huge(&mut self, at: NonNull<u8>, len: usize) {
+        if self.destroyed {
+            // SAFETY: the caller gives the mapping up.
+            unsafe { self.backend.unmap(at, len) };
+            return;
+        }
+        if self.huge_cache.len() >= HUGE_CACHE_BLOCKS {
+            let oldest = (0..self.huge_cache.len()).min_by_key(|&i| self.huge_cache[i].used).expect("not empty");
+            let m = self.huge_cache.swap_remove(oldest);
+            // SAFETY: a cached mapping is owned by the cache alone.
+            unsafe { self.backend.unmap(m.at, m.len) };
+        }
+        self.huge_cache.push(CachedMapping { at, len, used: self.generation });
+    }
+
+    /// Releases the cached huge mappings that `which` selects.
+    fn release_huge_cache(&mut self, which: impl Fn(&CachedMapping) -> bool) {
+        let mut i = 0;
+        while i < self.huge_cache.len() {
+            if which(&self.huge_cache[i]) {
+                let m = self.huge_cache.swap_remove(i);
+                // SAFETY: a cached mapping is owned by the cache alone; released once, here.
+                unsafe { self.backend.unmap(m.at, m.len) };
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn alloc_block(&mut self, kind: BlockKind, size: usize, len: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
+        let at = if zeroed { self.backend.alloc_block_zeroed(len) } else { self.backend.alloc_block(len) };
+        let at = at.map_err(|detail| {
             self.failed_allocations += 1;
             Error::SystemOutOfMemory { workspace: self.name.clone(), requested: size as u64, detail }
         })?;
@@ -486,20 +734,13 @@ impl Workspace {
     /// for callers that must keep working after `destroy`. Freed with [`Workspace::free`].
     pub fn alloc_unaccounted(&mut self, size: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
         let slot = slot_for(size).ok_or_else(|| self.out_of_memory(size, "request too large"))?;
-        let p = self.alloc_block(BlockKind::Bypass, size, slot)?;
-        if zeroed {
-            // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
-            unsafe { self.backend.zero(p, size) };
-        }
-        Ok(p)
+        self.alloc_block(BlockKind::Bypass, size, slot, zeroed)
     }
 
-    /// Allocates `size` zero-filled bytes.
+    /// Allocates `size` zero-filled bytes. Memory known to be zero already (never used since it
+    /// was mapped) is not written, so untouched pages stay untouched.
     pub fn alloc_zeroed(&mut self, size: usize) -> Result<NonNull<u8>, Error> {
-        let p = self.alloc(size)?;
-        // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
-        unsafe { self.backend.zero(p, size) };
-        Ok(p)
+        self.alloc_in(size, true)
     }
 
     /// Takes a block back. Frees of blocks from earlier cycles unpin them; a region retired by
@@ -510,20 +751,25 @@ impl Workspace {
     #[inline]
     pub unsafe fn free(&mut self, p: NonNull<u8>) {
         // SAFETY: the caller guarantees `p` is a live block of ours.
-        let h = unsafe { self.header(p) };
-        debug_assert!(h.is_live(), "double free or foreign pointer in workspace {:?}", self.name);
+        let hp = unsafe { self.header(p) };
+        let (live, kind, generation, region, slot, requested) = {
+            // SAFETY: the header of a live block; the shared borrow ends before anything writes it.
+            let h = unsafe { hp.as_ref() };
+            (h.is_live(), h.kind, h.generation, h.region, h.slot, h.requested)
+        };
+        debug_assert!(live, "double free or foreign pointer in workspace {:?}", self.name);
         // The common case: an arena block of the current region, freed in its own cycle.
-        if h.kind == BlockKind::Arena && h.generation == self.generation {
-            if let Some(r) = self.region.as_mut().filter(|r| r.id() == h.region) {
-                self.live_slot_bytes -= h.slot;
-                self.used_bytes -= h.requested as u64;
-                // SAFETY: the header is live and names this region.
-                unsafe { r.release(h) };
+        if kind == BlockKind::Arena && generation == self.generation {
+            if let Some(r) = self.region.as_mut().filter(|r| r.id() == region) {
+                self.live_slot_bytes -= slot;
+                self.used_bytes -= requested as u64;
+                // SAFETY: the header is live, names this region and is not borrowed.
+                unsafe { r.release(hp) };
                 return;
             }
         }
         // SAFETY: forwarded.
-        unsafe { self.free_slow(p, h) }
+        unsafe { self.free_slow(p, hp) }
     }
 
     /// The header of a live block.
@@ -531,7 +777,7 @@ impl Workspace {
     /// # Safety
     /// `p` is a live block of this workspace; the header is not used after the block is freed.
     #[inline]
-    unsafe fn header<'a>(&self, p: NonNull<u8>) -> &'a mut BlockHeader {
+    unsafe fn header(&self, p: NonNull<u8>) -> NonNull<BlockHeader> {
         if self.inline_headers {
             // SAFETY: the caller guarantees a live block, and its header precedes it.
             return unsafe { header_of(p) };
@@ -543,25 +789,41 @@ impl Workspace {
     /// # Safety
     /// As for [`Workspace::header`].
     #[cold]
-    unsafe fn header_elsewhere<'a>(&self, p: NonNull<u8>) -> &'a mut BlockHeader {
+    unsafe fn header_elsewhere(&self, p: NonNull<u8>) -> NonNull<BlockHeader> {
         for r in self.region.iter().chain(self.retired.iter()) {
             // SAFETY: forwarded: a live block of ours, so if it is in `r` it is one of r's.
             if let Some(h) = unsafe { r.header_for(p) } {
-                // SAFETY: the header of a live block, in the region's host header mapping.
-                return unsafe { &mut *h.as_ptr() };
+                return h;
             }
         }
-        let h = self.outside_headers.get(&(p.as_ptr() as usize)).expect("a live block of this workspace");
-        // SAFETY: the pointer owns a live box (removed from the map, and freed, only when the
-        // block is freed).
-        unsafe { &mut *h.as_ptr() }
+        // The box stays alive until the block is freed (removed from the map, and freed, then).
+        *self.outside_headers.get(&(p.as_ptr() as usize)).expect("a live block of this workspace")
     }
 
     /// # Safety
-    /// `h` is the live header of the block `p` of this workspace.
+    /// `hp` is the live header of the block `p` of this workspace, not borrowed.
     #[cold]
-    unsafe fn free_slow(&mut self, p: NonNull<u8>, h: &mut BlockHeader) {
-        let (size, slot, gen, kind) = (h.requested, h.slot, h.generation, h.kind);
+    unsafe fn free_slow(&mut self, p: NonNull<u8>, hp: NonNull<BlockHeader>) {
+        // Copy everything out: the memory holding the header may be released below.
+        let (size, slot, gen, kind) = {
+            // SAFETY: the caller guarantees a live header; the borrow ends in this block.
+            let h = unsafe { hp.as_ref() };
+            (h.requested, h.slot, h.generation, h.kind)
+        };
+        if kind == BlockKind::Huge {
+            self.external_bytes -= size as u64;
+            self.external_live_blocks -= 1;
+            self.huge_live_len -= slot;
+            if gen != self.generation {
+                self.unpin(size, 0);
+            }
+            // SAFETY: the header is ours to write; nothing else refers to it any more.
+            unsafe { (*hp.as_ptr()).magic = 0 };
+            // SAFETY: a huge block's mapping starts at its header and is `slot` bytes long; the
+            // caller gives the block up.
+            unsafe { self.put_huge(p.sub(HEADER), slot) };
+            return;
+        }
         if kind != BlockKind::Bypass {
             self.live_slot_bytes -= slot;
             if gen != self.generation {
@@ -571,23 +833,25 @@ impl Workspace {
         match kind {
             BlockKind::Arena => {
                 self.used_bytes -= size as u64;
-                // SAFETY: the header is live and names the region that handed it out.
-                unsafe { self.release_arena(h) };
+                // SAFETY: the header is live, not borrowed, and names the region that handed it out.
+                unsafe { self.release_arena(hp) };
             }
-            BlockKind::External | BlockKind::Bypass => {
+            BlockKind::External | BlockKind::Bypass | BlockKind::Huge => {
                 if kind == BlockKind::External {
                     self.external_bytes -= size as u64;
                     self.external_slot_bytes -= slot as u64;
                     self.external_live_blocks -= 1;
                 }
-                h.magic = 0;
+                // SAFETY: the header is ours to write; it is released just below.
+                unsafe { (*hp.as_ptr()).magic = 0 };
                 if !self.inline_headers {
                     let owned = self.outside_headers.remove(&(p.as_ptr() as usize)).expect("a tracked header");
                     // SAFETY: the box was leaked in `alloc_block` and is reclaimed once, here.
                     drop(unsafe { Box::from_raw(owned.as_ptr()) });
                 }
                 // SAFETY: the block was allocated by `alloc_block` of this backend with `slot`
-                // bytes and its data starts `HEADER` bytes in; the caller gives it up.
+                // bytes and its data starts `HEADER` bytes in; the caller gives it up, and no
+                // reference to its header is alive.
                 unsafe { self.backend.free_block(p.sub(HEADER), slot) };
             }
         }
@@ -601,19 +865,26 @@ impl Workspace {
     }
 
     /// # Safety
-    /// `h` is the live header of an arena block of this workspace.
-    unsafe fn release_arena(&mut self, h: &mut BlockHeader) {
-        let id = h.region;
+    /// `hp` is the live header of an arena block of this workspace, not borrowed.
+    unsafe fn release_arena(&mut self, hp: NonNull<BlockHeader>) {
+        // SAFETY: the caller guarantees a live header.
+        let id = unsafe { hp.as_ref() }.region;
         if let Some(r) = self.region.as_mut().filter(|r| r.id() == id) {
             // SAFETY: forwarded.
-            unsafe { r.release(h) };
+            unsafe { r.release(hp) };
             return;
         }
         let idx = self.retired.iter().position(|r| r.id() == id).expect("block of an unknown region");
-        // SAFETY: forwarded.
-        unsafe { self.retired[idx].release(h) };
-        if self.retired[idx].live_blocks() == 0 {
+        let r = &mut self.retired[idx];
+        // SAFETY: forwarded; the region (and the header in it) stays mapped through this call.
+        unsafe { r.release(hp) };
+        if r.live_blocks() == 0 {
+            // The last block: the region goes back to the system whole.
             self.retired.swap_remove(idx);
+        } else if r.freed_since_scan() >= RETIRED_RESCAN.max(r.capacity() / 8) {
+            // Pages freed since the retirement go back too, so that what stays resident is
+            // proportional to what lives.
+            r.retire();
         }
     }
 
@@ -622,8 +893,9 @@ impl Workspace {
     /// # Safety
     /// As for [`Workspace::free`].
     pub unsafe fn realloc(&mut self, p: NonNull<u8>, new_size: usize) -> Result<NonNull<u8>, Error> {
-        // SAFETY: the caller guarantees `p` is a live block of ours.
-        let h = unsafe { self.header(p) };
+        // SAFETY: the caller guarantees `p` is a live block of ours; the borrow ends before the
+        // block can be freed below.
+        let h = unsafe { &mut *self.header(p).as_ptr() };
         let old = h.requested;
         if h.kind == BlockKind::Arena && slot_for(new_size) == Some(h.slot) && !self.destroyed {
             h.requested = new_size;
@@ -650,7 +922,7 @@ impl Workspace {
     /// As for [`Workspace::free`].
     pub unsafe fn block_info(&self, p: NonNull<u8>) -> BlockInfo {
         // SAFETY: the caller guarantees `p` is a live block of ours.
-        let h = unsafe { self.header(p) };
+        let h = unsafe { self.header(p).as_ref() };
         let region = (h.kind == BlockKind::Arena).then(|| {
             let r = self.region.iter().chain(self.retired.iter()).find(|r| r.id() == h.region).expect("known region");
             (r.base().as_ptr() as usize, r.capacity())
@@ -671,6 +943,7 @@ impl Workspace {
             }
         }
         self.retired.retain(|r| r.live_blocks() > 0);
+        self.release_huge_cache(|_| true);
     }
 
     pub fn stats(&self) -> WorkspaceStats {
@@ -703,6 +976,26 @@ impl Workspace {
         let arena_live: usize = self.region.iter().chain(self.retired.iter()).map(|r| r.verify()).sum();
         assert_eq!(arena_live as u64, self.live_slot_bytes as u64 - self.external_slot_bytes, "slot bytes disagree");
         assert!(self.pinned_blocks <= self.live_blocks() && self.pinned_slot_bytes <= self.live_slot_bytes);
+    }
+
+    /// Bytes pre-faulted synchronously so far, in total.
+    pub fn prefaulted_bytes(&self) -> u64 {
+        self.prefaulted_bytes
+    }
+
+    /// The need the workspace has learned (bytes of one cycle, headers included).
+    pub fn learned_need(&self) -> usize {
+        self.learner.need
+    }
+
+    /// Huge mappings kept for reuse, and their total length.
+    pub fn huge_cached(&self) -> (usize, usize) {
+        (self.huge_cache.len(), self.huge_cache.iter().map(|m| m.len).sum())
+    }
+
+    /// The end of the memory ever used in the current region (0 without one).
+    pub fn region_carved_end(&self) -> usize {
+        self.region.as_ref().map_or(0, |r| r.carved_end())
     }
 
     /// The header size every block carries, for callers sizing arenas by hand.

@@ -40,7 +40,12 @@ fn op() -> impl Strategy<Value = Op> {
 fn config() -> impl Strategy<Value = (WorkspaceConfiguration, Option<usize>)> {
     (
         prop_oneof![Just(0u64), Just(64 << 10), Just(1 << 20)],
-        prop_oneof![Just(LearningPolicy::None), Just(LearningPolicy::FirstLoop), Just(LearningPolicy::OverTime)],
+        prop_oneof![
+            Just(LearningPolicy::None),
+            Just(LearningPolicy::FirstLoop),
+            Just(LearningPolicy::OverTime),
+            Just(LearningPolicy::Adaptive)
+        ],
         prop_oneof![Just(SpillPolicy::Fail), Just(SpillPolicy::Reallocate), Just(SpillPolicy::External)],
         prop_oneof![Just(ResetPolicy::BlockLeft), Just(ResetPolicy::EndOfBufferReached)],
         prop_oneof![
@@ -92,7 +97,7 @@ fn check(w: &Workspace, live: &[Live], ctx: &str) {
                 assert!(addr >= base + HEADER && addr + b.size <= base + cap, "{ctx}: block outside its region");
                 used += b.size as u64;
             }
-            BlockKind::External => external += b.size as u64,
+            BlockKind::External | BlockKind::Huge => external += b.size as u64,
             BlockKind::Bypass => continue,
         }
         if info.generation < w.generation() {

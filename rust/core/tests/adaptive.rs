@@ -1,0 +1,291 @@
+//! The adaptive profile and what a workspace commits: convergence from any first cycle, decay
+//! after outliers, pre-faulting bounded by what cycles used, zeroed memory that stays lazy, and
+//! arenas mapped within a long learning cycle. Each test runs against every host backend.
+
+mod common;
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::{backends, fill, intact};
+use rustws_core::*;
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+/// Counts what the workspace asks of its upstream: bytes zeroed by writing, bytes populated.
+#[derive(Debug)]
+struct Recorder {
+    upstream: Arc<dyn Backend>,
+    zeroed: AtomicUsize,
+    populated: AtomicUsize,
+}
+
+impl Recorder {
+    fn new(upstream: Arc<dyn Backend>) -> Arc<Self> {
+        Arc::new(Recorder { upstream, zeroed: AtomicUsize::new(0), populated: AtomicUsize::new(0) })
+    }
+}
+
+impl Backend for Recorder {
+    fn name(&self) -> &'static str {
+        "recorder"
+    }
+    fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, String> {
+        if prefault {
+            self.populated.fetch_add(len, Ordering::Relaxed);
+        }
+        self.upstream.map(len, prefault)
+    }
+    unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.unmap(ptr, len) }
+    }
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+        self.upstream.alloc_block(len)
+    }
+    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, String> {
+        self.upstream.alloc_block_zeroed(len)
+    }
+    unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.free_block(ptr, len) }
+    }
+    fn host_accessible(&self) -> bool {
+        self.upstream.host_accessible()
+    }
+    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
+        self.zeroed.fetch_add(len, Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.zero(ptr, len) }
+    }
+    fn populate(&self, ptr: NonNull<u8>, len: usize) {
+        self.populated.fetch_add(len, Ordering::Relaxed);
+        self.upstream.populate(ptr, len)
+    }
+    fn discard(&self, ptr: NonNull<u8>, len: usize) {
+        self.upstream.discard(ptr, len)
+    }
+    fn discard_zeroes(&self) -> bool {
+        self.upstream.discard_zeroes()
+    }
+}
+
+fn adaptive(b: &Arc<dyn Backend>) -> Workspace {
+    Workspace::with_backend("A", WorkspaceConfiguration::adaptive(), b.clone()).unwrap()
+}
+
+/// One cycle of a loop body: `n` temporaries of `size` bytes, each written, freed in turn.
+fn body(w: &mut Workspace, n: usize, size: usize) {
+    w.enter().unwrap();
+    let mut prev: Option<NonNull<u8>> = None;
+    for i in 0..n {
+        let p = w.alloc(size).unwrap();
+        fill(p.as_ptr(), size.min(4096), i as u8);
+        if let Some(q) = prev.replace(p) {
+            // SAFETY: live, freed once.
+            unsafe { w.free(q) };
+        }
+    }
+    if let Some(q) = prev {
+        // SAFETY: live, freed once.
+        unsafe { w.free(q) };
+    }
+    w.exit().unwrap();
+}
+
+#[test]
+fn adaptive_converges_to_zero_spills_from_any_first_cycle() {
+    for (name, b) in backends() {
+        // (first cycles, then the repeating body)
+        let firsts: [(&str, &[(usize, usize)]); 4] = [
+            ("empty", &[(0, 0)]),
+            ("smaller", &[(3, 64)]),
+            ("larger", &[(3, 8 * MIB)]),
+            ("empty, then larger", &[(0, 0), (4, 4 * MIB)]),
+        ];
+        for (what, first) in firsts {
+            let mut w = adaptive(&b);
+            for &(n, size) in first {
+                body(&mut w, n, size);
+            }
+            let mut spills = Vec::new();
+            for _ in 0..6 {
+                let before = w.stats().spill_count;
+                body(&mut w, 3, 256 * KIB);
+                spills.push(w.stats().spill_count - before);
+            }
+            assert!(spills[2..].iter().all(|&s| s == 0), "{name}, {what} first: spills per cycle {spills:?}");
+            w.verify();
+        }
+    }
+}
+
+#[test]
+fn the_learned_need_decays_after_an_outlier_and_the_arena_shrinks() {
+    for (name, b) in backends() {
+        let mut w = adaptive(&b);
+        for _ in 0..3 {
+            body(&mut w, 3, MIB);
+        }
+        let usual = w.stats().capacity_bytes;
+        body(&mut w, 4, 40 * MIB); // one outlier cycle
+        let spilled = w.stats().spill_count;
+        assert!(spilled > 0, "{name}");
+        let grown = w.stats().capacity_bytes;
+        assert!(grown > 4 * usual, "{name}: the outlier grows the arena: {usual} -> {grown}");
+        let mut caps = Vec::new();
+        for _ in 0..NEED_WINDOW + 2 {
+            body(&mut w, 3, MIB);
+            caps.push(w.stats().capacity_bytes);
+        }
+        assert_eq!(*caps.last().unwrap(), usual, "{name}: back to the usual arena: {caps:?}");
+        assert!(w.learned_need() < 4 * MIB, "{name}");
+        assert_eq!(w.stats().spill_count, spilled, "{name}: only the outlier spilled");
+    }
+}
+
+#[test]
+fn prefaulted_bytes_never_exceed_what_cycles_used() {
+    for (name, b) in backends() {
+        let rec = Recorder::new(b.clone());
+        let backend: Arc<dyn Backend> = rec.clone();
+        let mut w = adaptive(&backend);
+        for size in [MIB, 4 * MIB, 2 * MIB, 9 * MIB] {
+            body(&mut w, 3, size);
+            let populated = rec.populated.load(Ordering::Relaxed);
+            assert_eq!(populated as u64, w.prefaulted_bytes(), "{name}");
+            // Each mapping pre-faults at most the need learned when it was mapped (page-rounded),
+            // never its overallocation: the total stays below the sum of the needs so far.
+            let cap = w.stats().capacity_bytes as usize;
+            assert!(w.learned_need() <= cap, "{name}");
+        }
+        // One mapping per growth (1, 4, then 9 MiB temporaries); two live at a time.
+        let needs = [2 * (MIB + 64), 2 * (4 * MIB + 64), 2 * (9 * MIB + 64)];
+        let bound: usize = needs.iter().map(|n| n.next_multiple_of(4096)).sum();
+        assert!(w.prefaulted_bytes() as usize <= bound, "{name}: {} > {bound}", w.prefaulted_bytes());
+        // An explicit initial size is never pre-faulted: nothing was learned.
+        let rec = Recorder::new(b.clone());
+        let backend: Arc<dyn Backend> = rec.clone();
+        let c = WorkspaceConfiguration {
+            initial_size: 32 * MIB as u64,
+            policy_learning: LearningPolicy::None,
+            ..Default::default()
+        };
+        let w = Workspace::with_backend("N", c, backend).unwrap();
+        assert!(w.stats().capacity_bytes > 0);
+        assert_eq!(rec.populated.load(Ordering::Relaxed), 0, "{name}");
+    }
+}
+
+#[test]
+fn zeroed_requests_from_never_used_memory_are_not_written() {
+    for (name, b) in backends() {
+        let rec = Recorder::new(b.clone());
+        let backend: Arc<dyn Backend> = rec.clone();
+        let c = WorkspaceConfiguration {
+            initial_size: 8 * MIB as u64,
+            policy_learning: LearningPolicy::None,
+            ..Default::default()
+        };
+        let mut w = Workspace::with_backend("Z", c, backend).unwrap();
+        w.enter().unwrap();
+        let a = w.alloc_zeroed(MIB).unwrap();
+        let host = b.host_accessible();
+        if host {
+            assert_eq!(rec.zeroed.load(Ordering::Relaxed), 0, "{name}: a fresh region is zero already");
+            // SAFETY: a live block of 1 MiB.
+            assert!(unsafe { std::slice::from_raw_parts(a.as_ptr(), MIB) }.iter().all(|&x| x == 0));
+        } else {
+            assert_eq!(rec.zeroed.load(Ordering::Relaxed), MIB, "{name}: device memory is cleared by the backend");
+        }
+        fill(a.as_ptr(), MIB, 5);
+        // SAFETY: live, freed once.
+        unsafe { w.free(a) };
+        w.exit().unwrap();
+        // The next cycle carves the same, now used, memory: it must be cleared.
+        let zeroed = rec.zeroed.load(Ordering::Relaxed);
+        w.enter().unwrap();
+        let c = w.alloc_zeroed(MIB).unwrap();
+        assert_eq!(rec.zeroed.load(Ordering::Relaxed) - zeroed, MIB, "{name}: reused memory is cleared");
+        if host {
+            // SAFETY: a live block of 1 MiB.
+            assert!(unsafe { std::slice::from_raw_parts(c.as_ptr(), MIB) }.iter().all(|&x| x == 0), "{name}");
+        }
+        // Past what was ever used, memory is fresh again.
+        let zeroed = rec.zeroed.load(Ordering::Relaxed);
+        let d = w.alloc_zeroed(2 * MIB).unwrap();
+        let expect = if host { 0 } else { 2 * MIB };
+        assert_eq!(rec.zeroed.load(Ordering::Relaxed) - zeroed, expect, "{name}");
+        // SAFETY: live, freed once.
+        unsafe {
+            w.free(d);
+            w.free(c);
+        }
+        w.exit().unwrap();
+    }
+}
+
+#[test]
+fn memory_freed_inside_a_cycle_is_found_again_before_the_arena_grows() {
+    for (name, b) in backends() {
+        let mut w = adaptive(&b);
+        body(&mut w, 3, MIB);
+        body(&mut w, 3, MIB);
+        let cap = w.stats().capacity_bytes;
+        // One long cycle: many temporaries, freed out of order, never more than two live.
+        w.enter().unwrap();
+        let mut live: Vec<NonNull<u8>> = Vec::new();
+        for i in 0..200 {
+            let p = w.alloc(MIB / 2 + (i % 7) * 4096).unwrap();
+            fill(p.as_ptr(), 4096, i as u8);
+            live.push(p);
+            if live.len() > 2 {
+                let q = live.remove(i % 2);
+                // SAFETY: live, freed once.
+                unsafe { w.free(q) };
+            }
+        }
+        for p in live {
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+        }
+        let s = w.stats();
+        w.exit().unwrap();
+        assert_eq!(s.spill_count, 0, "{name}: {s:?}");
+        assert_eq!(s.capacity_bytes, cap, "{name}: the arena did not grow");
+        w.verify();
+    }
+}
+
+#[test]
+fn a_long_learning_cycle_maps_its_arena_before_it_ends() {
+    for (name, b) in backends() {
+        for config in [WorkspaceConfiguration::adaptive(), WorkspaceConfiguration::default()] {
+            let mut w = Workspace::with_backend("LONG", config.clone(), b.clone()).unwrap();
+            w.enter().unwrap();
+            let kept = w.alloc(10_000).unwrap();
+            fill(kept.as_ptr(), 10_000, 42);
+            for i in 0..100 {
+                let p = w.alloc(2 * MIB).unwrap();
+                fill(p.as_ptr(), 4096, i as u8);
+                // SAFETY: live, freed once.
+                unsafe { w.free(p) };
+            }
+            let s = w.stats();
+            assert!(s.capacity_bytes > 0, "{name} {:?}: an arena was mapped within the cycle", config.policy_learning);
+            // From then on the cycle is served from the arena.
+            let p = w.alloc(2 * MIB).unwrap();
+            assert_eq!(w.stats().used_bytes, 2 * MIB as u64, "{name}");
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+            w.exit().unwrap();
+            assert!(intact(kept.as_ptr(), 10_000, 42));
+            // SAFETY: live, freed once.
+            unsafe { w.free(kept) };
+            assert_eq!(w.stats().spill_count, 0, "{name}: a learning cycle does not spill");
+            w.verify();
+        }
+    }
+}
