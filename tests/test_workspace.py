@@ -52,7 +52,8 @@ def test_workspace_is_per_thread_and_reused_by_name():
 def test_default_name_and_properties():
     ws = rustws.workspace()
     assert ws.name == "DEFAULT"
-    assert ws.config == WorkspaceConfiguration()
+    assert ws.config == WorkspaceConfiguration.adaptive()
+    assert ws.config.policy_learning is LearningPolicy.ADAPTIVE
     assert ws.device == "cpu"
     assert not ws.is_open and not ws.is_destroyed and ws.generation == 0
     assert "DEFAULT" in repr(ws)
@@ -165,6 +166,9 @@ def test_learning_policies(policy):
         assert ws.stats().external_bytes == 0 and ws.stats().spill_count == 4
     elif policy is LearningPolicy.FIRST_LOOP:
         assert caps[0] == 0 and caps[1] > MiB
+    elif policy is LearningPolicy.ADAPTIVE:
+        # Every cycle informs the size: the arena is mapped after the first one.
+        assert caps[0] > MiB and len(set(caps)) == 1
     else:
         assert caps[0] == 0 and caps[1] > MiB
 

@@ -61,6 +61,7 @@ class LearningPolicy(_Policy):
     OPTIMIZED = "FIRST_LOOP"
     OVER_TIME = "OVER_TIME"
     TRAINING = "OVER_TIME"
+    ADAPTIVE = "ADAPTIVE"
 
 
 class SpillPolicy(_Policy):
@@ -226,6 +227,15 @@ class WorkspaceConfiguration:
         if unknown:
             raise TypeError(f"unknown configuration field(s): {', '.join(map(repr, unknown))}")
         return cls(**d)
+
+    @classmethod
+    def adaptive(cls, **changes: Any) -> WorkspaceConfiguration:
+        """The profile of ``rustws.workspace(name)`` without a configuration: learning
+        ``ADAPTIVE`` (every cycle informs the arena's size, which follows the largest need of the
+        recent cycles, grows within a long cycle and shrinks after outliers) and spills
+        ``REALLOCATE``; ``changes`` override any field."""
+        base: dict[str, Any] = {"policy_learning": LearningPolicy.ADAPTIVE, "policy_spill": SpillPolicy.REALLOCATE}
+        return cls(**{**base, **changes})
 
     @classmethod
     def builder(cls) -> WorkspaceConfigurationBuilder:

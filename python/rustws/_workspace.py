@@ -399,7 +399,7 @@ def workspace(
 ) -> Workspace:
     """The calling thread's workspace ``name``, created on first use; every ``with`` is one cycle.
 
-    Asking again with a different configuration replaces a closed workspace (an open one raises
+    Without ``config`` a host workspace uses ``WorkspaceConfiguration.adaptive()``. Asking again with a different configuration replaces a closed workspace (an open one raises
     ``ValueError``).
     """
     name = _check_name(name)
@@ -419,7 +419,10 @@ def workspace(
                 "close it before asking for another"
             )
         ws.destroy()
-    cfg = cfg if cfg is not None else WorkspaceConfiguration()
+    if cfg is None:
+        # Without a configuration: the adaptive profile on the host; device workspaces keep
+        # ND4J's default (their memory is explicit, never captured).
+        cfg = WorkspaceConfiguration.adaptive() if ordinal is None else WorkspaceConfiguration()
     if ordinal is None:
         ws = Workspace(name, cfg._core_dict())
         ws._setup(cfg, dev, capture)

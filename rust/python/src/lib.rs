@@ -140,6 +140,16 @@ impl WorkspaceCore {
     }
 }
 
+impl Drop for WorkspaceCore {
+    /// The last Python reference is gone (a thread that ended without `destroy()`, a dropped
+    /// local): nothing can open a cycle any more, so the workspace is destroyed and its memory
+    /// returned but for the pages under arrays still alive, which go as those arrays die.
+    fn drop(&mut self) {
+        self.shared.destroyed.store(true, Ordering::Relaxed);
+        self.shared.lock().destroy();
+    }
+}
+
 /// Pushes a scope for `owner` (a workspace or None). `install`: make `handler` (a capsule, or
 /// None for NumPy's default) current; otherwise leave NumPy's handler alone.
 #[pyfunction]
