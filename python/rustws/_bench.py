@@ -44,12 +44,38 @@ WORKLOADS: dict[str, tuple[str, int | None, int, int]] = {
     "W2-4KiB": ("3 temporaries per step, float32, 4 KiB", 4096, 20000, 4000),
     "W3-SGD": ("SGD step, X 4096x1024 float32, weights escape every cycle", None, 60, 15),
     "W4-long": ("one long cycle around 100 steps of W1 at 1 MiB", 1 << 20, 3, 2),
+    "W5-first": (
+        "one long first cycle on a fresh workspace: 120 steps of mixed sizes 1 KiB-32 MiB, some kept",
+        None,
+        120,
+        60,
+    ),
+    "W6-warmup": ("an empty first cycle, then 3 temporaries of 64 float32 per cycle", 256, 20000, 4000),
+    "SKLEARN-fit": (
+        "scikit-learn MLPClassifier((512, 512), batch 4000, 4 epochs) on 16000x256, fit in one cycle",
+        None,
+        1,
+        1,
+    ),
+    "SPARSE-huge": (
+        "per cycle: np.empty 3.6 GB and np.zeros 8 GiB, one corner of each written",
+        None,
+        4,
+        2,
+    ),
 }
+FAMILIES = ("W1", "W2", "W3", "W4", "W5", "W6", "SKLEARN", "SPARSE")
+# Workloads with a hand-written no-allocation version (the limit).
+WITH_LIMIT = ("W1", "W2", "W3", "W4")
 WARMUP = 3
 
 
 def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _system_s() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
 
 
 def _w1_body(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -58,15 +84,106 @@ def _w1_body(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.tanh(b)
 
 
+def sklearn_available() -> bool:
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _first_cycle_workload(family: str, variant: str, steps: int) -> tuple[Any, int, int]:
+    """W5, SKLEARN and SPARSE: what one process measures (a fresh workspace each time)."""
+    import contextlib
+
+    import rustws
+
+    ws = rustws.workspace("BENCH") if variant == "rustws" else None
+
+    def cycle() -> contextlib.AbstractContextManager[Any]:
+        return ws if ws is not None else contextlib.nullcontext()
+
+    if family == "W5":
+        sizes = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 32 << 20]
+        order = np.random.default_rng(0).choice(len(sizes), size=steps, p=[0.2, 0.2, 0.2, 0.15, 0.15, 0.1])
+        src = np.random.default_rng(1).random((32 << 20) // 4, dtype=np.float32)
+
+        def run() -> None:
+            with cycle():
+                keep = []
+                for i, k in enumerate(order):
+                    x = src[: sizes[k] // 4]
+                    t = x * np.float32(1.5)
+                    u = np.sqrt(t + np.float32(1.0))
+                    v = u - t
+                    if i % 5 == 0:  # some results live on, and are dropped later
+                        keep.append(v)
+                        if len(keep) > 6:
+                            keep.pop(0)
+
+        return run, steps, 1
+    if family == "SKLEARN":
+        import warnings
+
+        from sklearn.neural_network import MLPClassifier
+
+        rng = np.random.default_rng(0)
+        X = rng.standard_normal((16000, 256)).astype(np.float32)
+        y = rng.integers(0, 10, 16000)
+
+        def run() -> None:
+            clf = MLPClassifier(hidden_layer_sizes=(512, 512), batch_size=4000, max_iter=4, random_state=0)
+            with warnings.catch_warnings(), cycle():
+                warnings.simplefilter("ignore")
+                clf.fit(X, y)
+
+        return run, 1, 1
+
+    # SPARSE: large arrays of which one corner is used, a cycle each
+    def run_sparse() -> None:
+        with cycle():
+            e = np.empty(900_000_000, np.float32)
+            e[:1024] = 1.0
+            z = np.zeros(1 << 30)
+            z[12345] = 1.0
+            del e, z
+
+    return run_sparse, 1, steps
+
+
 def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
     """Runs one workload in this process and returns its measurements."""
     import rustws
 
     family = workload.split("-")[0]
     nbytes = WORKLOADS[workload][1]
+    # Whatever the workload, the interpreter and NumPy's ufunc machinery are warm before timing.
+    _w1_body(np.ones(16, np.float32), np.ones(16, np.float32))
     ws = rustws.workspace("BENCH") if variant == "rustws" else None
     times: list[float] = []
-    if family in ("W1", "W2", "W4"):
+    warmup = WARMUP
+    extra: dict[str, Any] = {}
+    if family in ("W5", "SKLEARN", "SPARSE"):
+        # First cycles on a fresh workspace: no warm-up; W5 and the fit are one cycle each.
+        ws = None
+        run, per_call, repeat = _first_cycle_workload(family, variant, steps)
+        f0, s0 = _faults(), _system_s()
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) / per_call)
+        n = repeat * per_call
+        import rustws as _r
+
+        bench_ws = _r.get_workspace("BENCH")
+        return {
+            "step_s": statistics.median(times),
+            "faults_per_step": (_faults() - f0) / n,
+            "system_s_per_step": (_system_s() - s0) / n,
+            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            **({"stats": bench_ws.stats().as_dict()} if bench_ws is not None else {}),
+        }
+    if family in ("W1", "W2", "W4", "W6"):
         assert nbytes is not None
         n = nbytes // 4
         x = np.random.default_rng(0).random(n, dtype=np.float32)
@@ -99,6 +216,14 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
             run, per_call = outer, inner
         else:
             run, per_call = step, 1
+        if family == "W6" and ws is not None:
+            # The warm-up a user writes: a first cycle that allocates nothing.
+            with ws:
+                pass
+            for _ in range(3):
+                run()
+            extra["spills_after_cycle_3"] = ws.stats().spill_count
+            warmup = 0
     else:  # W3
         rng = np.random.default_rng(0)
         X = rng.standard_normal((4096, 1024), dtype=np.float32)
@@ -124,9 +249,9 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
                 state["w"] = w - lr * (X.T @ (X @ w - y)) / m
 
         per_call = 1
-    for _ in range(WARMUP):
+    for _ in range(warmup):
         run()
-    f0 = _faults()
+    f0, s0 = _faults(), _system_s()
     for _ in range(steps):
         t0 = time.perf_counter()
         run()
@@ -135,10 +260,14 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "step_s": statistics.median(times),
         "faults_per_step": faults,
+        "system_s_per_step": (_system_s() - s0) / (steps * per_call),
         "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        **extra,
     }
     if ws is not None:
         out["stats"] = ws.stats().as_dict()
+        if "spills_after_cycle_3" in extra:
+            out["spills_after_cycle_3"] = out["stats"]["spill_count"] - extra["spills_after_cycle_3"]
     return out
 
 
@@ -171,20 +300,31 @@ def _fmt_time(s: float) -> str:
 
 def run_bench(
     quick: bool = False,
-    workloads: str = "W1,W2,W3,W4",
+    workloads: str = ",".join(FAMILIES),
     repeats: int | None = None,
     out: str = "bench-results",
 ) -> int:
     wanted = [w.strip().upper() for w in workloads.split(",") if w.strip()]
+    unknown = sorted(set(wanted) - set(FAMILIES))
+    if unknown:
+        print(f"bench: unknown workload(s) {', '.join(unknown)} (use {','.join(FAMILIES)})", file=sys.stderr)
+        return 2
     names = [n for n in WORKLOADS if n.split("-")[0] in wanted]
+    if "SKLEARN-fit" in names and not sklearn_available():
+        print("SKLEARN-fit skipped: scikit-learn is not installed (pip install scikit-learn)")
+        names.remove("SKLEARN-fit")
     if not names:
-        print(f"bench: no workload matches {workloads!r} (use W1,W2,W3,W4)", file=sys.stderr)
+        print("bench: nothing to run", file=sys.stderr)
         return 2
     reps = repeats if repeats is not None else (3 if quick else 5)
     peers = {k: p for k, lib in PEERS.items() if (p := _find_lib(lib))}
     variants = ["numpy", "rustws", "limit", *peers]
     missing = sorted(set(PEERS) - set(peers))
-    plan = [(n, v) for n in names for _ in range(reps) for v in variants]
+
+    def variants_of(n: str) -> list[str]:
+        return [v for v in variants if v != "limit" or n.split("-")[0] in WITH_LIMIT]
+
+    plan = [(n, v) for n in names for _ in range(reps) for v in variants_of(n)]
     print(
         f"{len(plan)} runs: {len(names)} workloads x {len(variants)} variants x {reps} repeats,"
         " each in a fresh process"
@@ -194,7 +334,7 @@ def run_bench(
             f"not installed (skipped): {', '.join(missing)}"
             " (Debian: libjemalloc2 libmimalloc2.0 libtcmalloc-minimal4)"
         )
-    raw: dict[str, dict[str, list[dict[str, Any]]]] = {n: {v: [] for v in variants} for n in names}
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {n: {v: [] for v in variants_of(n)} for n in names}
     for i, (n, v) in enumerate(plan):
         progress(f"{n} {v}", i, len(plan))
         steps = WORKLOADS[n][3 if quick else 2]
@@ -203,27 +343,39 @@ def run_bench(
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for n in names:
         summary[n] = {}
-        for v in variants:
+        for v in variants_of(n):
             runs = raw[n][v]
             summary[n][v] = {
-                "step_s": statistics.median(r["step_s"] for r in runs),
-                "faults_per_step": statistics.median(r["faults_per_step"] for r in runs),
-                "peak_rss_kib": statistics.median(r["peak_rss_kib"] for r in runs),
+                key: statistics.median(r[key] for r in runs)
+                for key in ("step_s", "faults_per_step", "system_s_per_step", "peak_rss_kib")
             }
+            if v == "rustws":
+                summary[n][v]["spills"] = statistics.median(r["stats"]["spill_count"] for r in runs)
+                if "spills_after_cycle_3" in runs[0]:
+                    summary[n][v]["spills_after_cycle_3"] = max(r["spills_after_cycle_3"] for r in runs)
     for n in names:
         s = summary[n]
-        limit, base = s["limit"]["step_s"], s["numpy"]["step_s"]
+        base = s["numpy"]
+        limit = s.get("limit")
         print(f"\n{n}: {WORKLOADS[n][0]}")
         print(
-            f"  {'variant':10}{'step':>12}{'vs limit':>10}{'vs numpy':>10}{'faults/step':>13}{'peak RSS':>11}"
+            f"  {'variant':10}{'step':>12}{'vs limit':>10}{'vs numpy':>10}{'faults/step':>13}"
+            f"{'sys/step':>12}{'peak RSS':>12}{'vs numpy':>10}"
         )
-        for v in variants:
+        for v in variants_of(n):
             r = s[v]
+            vs_limit = f"{r['step_s'] / limit['step_s']:>9.2f}x" if limit else f"{'-':>10}"
             print(
-                f"  {v:10}{_fmt_time(r['step_s']):>12}{r['step_s'] / limit:>9.2f}x{r['step_s'] / base:>9.2f}x"
-                f"{r['faults_per_step']:>13.1f}{r['peak_rss_kib'] / 1024:>8.1f} MiB"
+                f"  {v:10}{_fmt_time(r['step_s']):>12}{vs_limit}{r['step_s'] / base['step_s']:>9.2f}x"
+                f"{r['faults_per_step']:>13.1f}{_fmt_time(r['system_s_per_step']):>12}"
+                f"{r['peak_rss_kib'] / 1024:>8.1f} MiB{r['peak_rss_kib'] / base['peak_rss_kib']:>9.2f}x"
             )
-        best_peer = min((v for v in variants if v in PEERS), key=lambda v: s[v]["step_s"], default=None)
+        rw = s["rustws"]
+        print(f"  rustws spills: {rw['spills']:.0f}", end="")
+        if "spills_after_cycle_3" in rw:
+            print(f" ({rw['spills_after_cycle_3']:.0f} after cycle 3)", end="")
+        print()
+        best_peer = min((v for v in s if v in PEERS), key=lambda v: s[v]["step_s"], default=None)
         if best_peer:
             print(
                 f"  rustws vs best peer ({best_peer}): "
@@ -246,7 +398,9 @@ def _chart(summary: dict[str, dict[str, dict[str, float]]], variants: list[str],
     except ImportError:
         print("chart: matplotlib is not installed (pip install 'rustws[plots]'); no PNG written")
         return
-    names = list(summary)
+    names = [n for n in summary if "limit" in summary[n]]
+    if not names:
+        return
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4.5))
     width = 0.8 / len(variants)
     for i, v in enumerate(variants):

@@ -234,7 +234,10 @@ class WorkspaceConfiguration:
         ``ADAPTIVE`` (every cycle informs the arena's size, which follows the largest need of the
         recent cycles, grows within a long cycle and shrinks after outliers) and spills
         ``REALLOCATE``; ``changes`` override any field."""
-        base: dict[str, Any] = {"policy_learning": LearningPolicy.ADAPTIVE, "policy_spill": SpillPolicy.REALLOCATE}
+        base: dict[str, Any] = {
+            "policy_learning": LearningPolicy.ADAPTIVE,
+            "policy_spill": SpillPolicy.REALLOCATE,
+        }
         return cls(**{**base, **changes})
 
     @classmethod

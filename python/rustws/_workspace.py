@@ -399,7 +399,8 @@ def workspace(
 ) -> Workspace:
     """The calling thread's workspace ``name``, created on first use; every ``with`` is one cycle.
 
-    Without ``config`` a host workspace uses ``WorkspaceConfiguration.adaptive()``. Asking again with a different configuration replaces a closed workspace (an open one raises
+    Without ``config`` a host workspace uses ``WorkspaceConfiguration.adaptive()``. Asking again
+    with a different configuration replaces a closed workspace (an open one raises
     ``ValueError``).
     """
     name = _check_name(name)

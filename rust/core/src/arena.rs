@@ -18,6 +18,10 @@ use crate::backend::{AnonymousMemory, Backend, BLOCK_ALIGN};
 /// Bytes of the header in front of every block; also the alignment of every block's data.
 pub const HEADER: usize = 64;
 
+/// Memory no cycle has touched yet is handed out this much at a time (beyond the request), so
+/// that freed memory is looked for before more is touched.
+const TAIL_GRANT: usize = 2 << 20;
+
 const MAGIC_LIVE: u32 = 0x5257_534C; // "RWSL"
 const MAGIC_FREE: u32 = 0x5257_5346; // "RWSF"
 
@@ -133,6 +137,8 @@ pub struct ArenaRegion {
     /// Whether the region was retired: nothing is carved here any more, and freed memory goes
     /// back to the system as it accumulates.
     retired: bool,
+    /// Bytes from the start made resident when the region was mapped (pre-faulted).
+    prefaulted: usize,
 }
 
 // SAFETY: the region exclusively owns its mapping; the raw base pointer is only dereferenced
@@ -162,14 +168,14 @@ impl ArenaRegion {
                 }
             }
         };
-        Ok(ArenaRegion {
+        let mut region = ArenaRegion {
             id,
             data,
             meta,
             capacity,
             backend,
             cursor: 0,
-            limit: capacity,
+            limit: 0,
             top: 0,
             tail: true,
             live_blocks: 0,
@@ -177,7 +183,10 @@ impl ArenaRegion {
             live_prefix: 0,
             dirty_end: 0,
             retired: false,
-        })
+            prefaulted: prefault.min(capacity),
+        };
+        region.take_tail(0);
+        Ok(region)
     }
 
     /// The end of the memory ever carved from this region (or carved since it was last released
@@ -195,6 +204,20 @@ impl ArenaRegion {
     #[inline]
     pub fn is_fresh(&self, off: usize) -> bool {
         off >= self.dirty_end
+    }
+
+    /// Makes the first `len` bytes resident now (page-rounded), as the pre-fault of `new` does.
+    pub fn populate(&mut self, len: usize) {
+        let len = crate::backend::round_to_page(len).min(self.capacity);
+        if len > self.prefaulted {
+            self.backend.populate(self.data, len);
+            self.prefaulted = len;
+        }
+    }
+
+    /// Bytes from the start made resident by pre-faulting.
+    pub fn prefaulted_bytes(&self) -> usize {
+        self.prefaulted
     }
 
     /// Whether the region was retired.
@@ -348,6 +371,9 @@ impl ArenaRegion {
 
     /// Walks the chain from the end of the last hole for a run of at least `need` free bytes,
     /// wrapping to the start once when enough has been freed since the last fruitless walk.
+    /// Memory never used yet (a tail past everything carved so far) is taken only after the
+    /// freed memory behind the walk was searched: address-ordered reuse keeps what a long cycle
+    /// makes resident close to what it keeps live.
     fn find_hole(&mut self, need: usize) -> bool {
         let was_tail = self.tail;
         let resume = if was_tail { self.cursor } else { self.limit };
@@ -355,22 +381,31 @@ impl ArenaRegion {
         let start = resume.min(self.top).max(self.live_prefix);
         let mut pos = start;
         let mut wrapped = false;
+        // Set when the walk wrapped before taking an untouched tail that fits: if nothing
+        // freed fits, the tail is taken after all.
+        let mut tail_fallback = false;
         // Whether every block from `live_prefix` to `pos` was live: the prefix then grows.
         let mut extending = pos == self.live_prefix;
         loop {
             if wrapped && pos >= start {
+                if tail_fallback {
+                    self.freed_since_scan = 0;
+                    return self.take_tail(need);
+                }
                 break;
             }
             if pos >= self.top {
-                if self.capacity - self.top >= need {
-                    self.cursor = self.top;
-                    self.limit = self.capacity;
-                    self.tail = true;
-                    return true;
+                let tail_fits = self.capacity - self.top >= need;
+                let may_wrap = !wrapped && start > self.live_prefix && self.freed_since_scan >= need;
+                let touched = self.top < self.dirty_end.max(self.prefaulted);
+                // Touched memory is taken at once; untouched memory only after a walk behind.
+                if tail_fits && (touched || !may_wrap) {
+                    return self.take_tail(need);
                 }
-                if wrapped || start == 0 || self.freed_since_scan < need {
+                if !may_wrap {
                     break;
                 }
+                tail_fallback = tail_fits;
                 wrapped = true;
                 pos = self.live_prefix;
                 extending = true;
@@ -401,6 +436,8 @@ impl ArenaRegion {
                 self.cursor = run_start;
                 self.limit = pos;
                 self.tail = false;
+                // Freed memory found again no longer calls for walks.
+                self.freed_since_scan = self.freed_since_scan.saturating_sub(pos - run_start);
                 return true;
             }
             // Too small for this request: merge the run so later walks step over it at once.
@@ -411,6 +448,18 @@ impl ArenaRegion {
         self.limit = self.top;
         self.tail = false;
         false
+    }
+
+    /// Makes the never-carved tail `[top, capacity)` the current hole: up to the end of what
+    /// is resident already when the request fits there (the next walk then looks for freed
+    /// memory before touching more), else the request and a grant of untouched memory.
+    fn take_tail(&mut self, need: usize) -> bool {
+        self.cursor = self.top;
+        let resident = self.dirty_end.max(self.prefaulted);
+        let end = self.top.saturating_add(need);
+        self.limit = if end <= resident { resident } else { end.saturating_add(TAIL_GRANT) }.min(self.capacity);
+        self.tail = true;
+        true
     }
 
     /// Takes a block back.
@@ -443,10 +492,8 @@ impl ArenaRegion {
     pub fn rewind(&mut self) {
         if self.live_blocks == 0 {
             self.dirty_end = self.carved_end();
-            self.cursor = 0;
-            self.limit = self.capacity;
             self.top = 0;
-            self.tail = true;
+            self.take_tail(0);
             self.freed_since_scan = 0;
             self.live_prefix = 0;
         } else {

@@ -260,11 +260,21 @@ fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, String> {
     let back = at - start;
     // SAFETY: `at - C_HEAP_TAG >= raw` and `at + len <= raw + total`, so both the tag and the
     // block lie inside the allocation; the tag is aligned (both addresses are multiples of 8).
-    unsafe {
+    let block = unsafe {
         let block = raw.add(back);
         block.sub(C_HEAP_TAG).cast::<usize>().write(back);
-        Ok(NonNull::new_unchecked(block))
+        NonNull::new_unchecked(block)
+    };
+    if len >= HUGE_PAGE_THRESHOLD {
+        // As NumPy does for its large arrays: huge pages for the whole pages of the block.
+        let page = page_size();
+        let (a, b) = (at.next_multiple_of(page), (at + len) / page * page);
+        if a < b {
+            // SAFETY: advice on whole pages inside our own allocation; failure is harmless.
+            unsafe { libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_HUGEPAGE) };
+        }
     }
+    Ok(block)
 }
 
 /// Memory mapped from a file. Each region gets a file of its own, so regions never share pages:

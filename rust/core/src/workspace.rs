@@ -45,6 +45,13 @@ pub const NEED_WINDOW: usize = 8;
 /// mapped within the cycle.
 const MID_CYCLE_CHURN: usize = 16 << 20;
 
+/// An arena mapped within a cycle serves blocks smaller than this: larger ones come from the C
+/// heap until the cycle ends (size-binned and its own mappings, as without rustws), so that an
+/// irregular first cycle is never bigger than it is without rustws: a bump arena swept by
+/// long-lived large blocks would touch several times what lives. The arena learned at the cycle
+/// end serves every size.
+const PROVISIONAL_MAX_SLOT: usize = 256 << 10;
+
 /// A retired region rescans for free pages to return once this much (and an eighth of it) was
 /// freed since the last scan.
 const RETIRED_RESCAN: usize = 1 << 20;
@@ -170,8 +177,12 @@ pub struct Workspace {
     huge_live_len: usize,
     /// External slot bytes served in the open cycle since the last region was mapped.
     cycle_churn: usize,
+    /// The largest slot the current region serves: unlimited but while it is provisional.
+    arena_max_slot: usize,
     /// Bytes pre-faulted synchronously, in total.
     prefaulted_bytes: u64,
+    /// Bytes of the current region to pre-fault when the next cycle opens.
+    pending_prefault: usize,
     // The hot path keeps only these; everything else is derived (see `stats`, `exit`).
     /// Slot bytes (headers and padding included) of live blocks, arena and external.
     live_slot_bytes: usize,
@@ -243,7 +254,9 @@ impl Workspace {
             huge_cache: Vec::new(),
             huge_live_len: 0,
             cycle_churn: 0,
+            arena_max_slot: usize::MAX,
             prefaulted_bytes: 0,
+            pending_prefault: 0,
             live_slot_bytes: 0,
             used_bytes: 0,
             cycle_slot_peak: 0,
@@ -338,21 +351,26 @@ impl Workspace {
         self.region.iter().chain(self.retired.iter()).map(|r| r.capacity()).sum()
     }
 
-    /// Maps a new current region of `cap` bytes with its first `used` bytes (what the learned
-    /// cycles used) pre-faulted; the old one is dropped, or retired while blocks in it live.
+    /// Maps a new current region of `cap` bytes, whose first `used` bytes (what the learned
+    /// cycles used) are pre-faulted when the next cycle opens; the old one is dropped, or
+    /// retired while blocks in it live.
     fn replace_region(&mut self, cap: usize, used: usize) -> Result<(), Error> {
         if cap == 0 {
             return Ok(());
         }
         let id = self.next_region_id;
-        // Pre-fault what cycles will touch again, so that a learned cycle takes no page faults;
-        // the overallocation, and anything past the bounds, costs address space only.
-        let prefault = used.min(cap).min(PREFAULT_LIMIT).min(available_memory() / 4);
-        let region = ArenaRegion::new(id, cap, self.backend.clone(), prefault).map_err(|detail| {
-            Error::SystemOutOfMemory { workspace: self.name.clone(), requested: cap as u64, detail }
+        let region = ArenaRegion::new(id, cap, self.backend.clone(), 0).map_err(|detail| Error::SystemOutOfMemory {
+            workspace: self.name.clone(),
+            requested: cap as u64,
+            detail,
         })?;
-        self.prefaulted_bytes += crate::backend::round_to_page(prefault).min(cap) as u64;
+        // Pre-fault what cycles will touch again, so that a learned cycle takes no page faults;
+        // the overallocation, and anything past the bounds, costs address space only. Deferred
+        // to the next cycle: a workload that never has one (a whole program in one cycle) does
+        // not pay for it.
+        self.pending_prefault = used.min(cap).min(PREFAULT_LIMIT);
         self.cycle_churn = 0;
+        self.arena_max_slot = usize::MAX;
         self.next_region_id = self.next_region_id.wrapping_add(1).max(1);
         if let Some(mut old) = self.region.replace(region) {
             if old.live_blocks() > 0 {
@@ -392,9 +410,23 @@ impl Workspace {
             self.cycle_peak_bytes = self.used_bytes + self.external_bytes;
             self.cycle_slot_peak = self.live_slot_bytes;
             self.cycle_churn = 0;
+            if self.pending_prefault > 0 {
+                self.prefault_now();
+            }
         }
         self.depth += 1;
         Ok(())
+    }
+
+    /// Pre-faults what the last learning asked for, within a quarter of the memory available.
+    #[cold]
+    fn prefault_now(&mut self) {
+        let want = std::mem::take(&mut self.pending_prefault).min(available_memory() / 4);
+        if let Some(r) = self.region.as_mut() {
+            let before = r.prefaulted_bytes();
+            r.populate(want);
+            self.prefaulted_bytes += (r.prefaulted_bytes() - before) as u64;
+        }
     }
 
     /// Closes the innermost level; the outermost one ends the cycle: learning, growth, rewind.
@@ -432,6 +464,7 @@ impl Workspace {
             }
         }
         self.grow_at_cycle_end = false;
+        self.arena_max_slot = usize::MAX;
         if !self.huge_cache.is_empty() {
             let now = self.generation;
             self.release_huge_cache(|m| m.used + HUGE_CACHE_CYCLES <= now);
@@ -486,7 +519,7 @@ impl Workspace {
         let Some(slot) = slot_for(size) else {
             return Err(self.out_of_memory(size, "request too large"));
         };
-        if (size as u64) >= self.config.helper_min_size {
+        if (size as u64) >= self.config.helper_min_size && slot < self.arena_max_slot {
             if let Some(p) = self.carve_arena(size, slot, zeroed) {
                 return Ok(p);
             }
@@ -572,7 +605,7 @@ impl Workspace {
         if huge {
             return self.alloc_huge(size, ext, zeroed);
         }
-        if self.maps_within_cycles() {
+        if ext < PROVISIONAL_MAX_SLOT && self.maps_within_cycles() {
             self.cycle_churn = self.cycle_churn.saturating_add(ext);
             // Churn beyond twice the peak (this request included) means freed memory would have
             // served the cycle again.
@@ -606,20 +639,29 @@ impl Workspace {
             && (self.adaptive || (!self.initialized && self.config.policy_learning != LearningPolicy::None))
     }
 
-    /// The open cycle has churned through external memory: maps an arena sized for its peak so
-    /// far (at least twice the current one, so a growing cycle remaps O(log) times) and serves
-    /// the request from it. Its pages fault in as they are first used.
+    /// The open cycle has churned through external memory: maps a provisional arena for its
+    /// smaller blocks (twice the current one, from `MID_CYCLE_CHURN`, so that a growing cycle
+    /// remaps O(log) times) and serves the request from it. Its pages fault in as they are first
+    /// used, and freed memory is reused before untouched memory.
     #[cold]
     fn map_within_cycle(&mut self, size: usize, slot: usize, zeroed: bool) -> Option<NonNull<u8>> {
         self.cycle_churn = 0;
         let cur = self.region.as_ref().map_or(0, |r| r.capacity());
-        let cap = self.capacity_for(self.cycle_slot_peak.saturating_add(slot).max(cur.saturating_mul(2)));
+        let cap = self.capacity_for(cur.saturating_mul(2).max(MID_CYCLE_CHURN));
         if cap <= cur
             || (self.config.max_size > 0 && self.footprint().saturating_add(cap as u64) > self.config.max_size)
         {
             return None;
         }
         self.replace_region(cap, 0).ok()?;
+        self.arena_max_slot = PROVISIONAL_MAX_SLOT;
+        // The smaller blocks come from the arena from now on: what the C heap kept of those
+        // it served so far goes back to the system, so that the two never add up.
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: a plain glibc call without preconditions.
+        unsafe {
+            libc::malloc_trim(0);
+        }
         self.carve_arena(size, slot, zeroed)
     }
 

@@ -267,17 +267,22 @@ fn a_long_learning_cycle_maps_its_arena_before_it_ends() {
             w.enter().unwrap();
             let kept = w.alloc(10_000).unwrap();
             fill(kept.as_ptr(), 10_000, 42);
-            for i in 0..100 {
-                let p = w.alloc(2 * MIB).unwrap();
+            for i in 0..400 {
+                let p = w.alloc(100 * KIB).unwrap();
                 fill(p.as_ptr(), 4096, i as u8);
                 // SAFETY: live, freed once.
                 unsafe { w.free(p) };
             }
             let s = w.stats();
             assert!(s.capacity_bytes > 0, "{name} {:?}: an arena was mapped within the cycle", config.policy_learning);
-            // From then on the cycle is served from the arena.
-            let p = w.alloc(2 * MIB).unwrap();
-            assert_eq!(w.stats().used_bytes, 2 * MIB as u64, "{name}");
+            // From then on the cycle's smaller blocks are served from the arena; a large one
+            // still comes from the C heap until the cycle ends.
+            let p = w.alloc(100 * KIB).unwrap();
+            assert_eq!(w.stats().used_bytes, 100 * KIB as u64, "{name}");
+            let large = w.alloc(4 * MIB).unwrap();
+            assert_eq!(w.stats().used_bytes, 100 * KIB as u64, "{name}");
+            // SAFETY: live, freed once.
+            unsafe { w.free(large) };
             // SAFETY: live, freed once.
             unsafe { w.free(p) };
             w.exit().unwrap();

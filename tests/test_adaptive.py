@@ -1,0 +1,164 @@
+"""The adaptive profile of ``rustws.workspace(name)`` and what capture commits: convergence from
+any first cycle, decay after outliers, huge and zeroed requests that stay lazy, arenas mapped
+within a long first cycle, and memory returned by workspaces nobody holds. Resident sizes are
+measured in child processes, so that nothing else in the test run moves them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import rustws
+from rustws import LearningPolicy, SpillPolicy, WorkspaceConfiguration
+
+MiB = 1 << 20
+
+
+def _child(code: str) -> list[float]:
+    """Runs ``code`` in a fresh interpreter; returns the numbers of its last output line."""
+    prelude = textwrap.dedent(
+        """
+        import gc, resource, threading
+        import numpy as np
+        import rustws
+
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [float(x) for x in proc.stdout.strip().splitlines()[-1].split()]
+
+
+def _step(x: np.ndarray) -> np.ndarray:
+    a = x * 2.0
+    b = a + 1.0
+    return np.tanh(b)
+
+
+def test_the_default_profile_is_adaptive_and_expressible_as_a_configuration():
+    ws = rustws.workspace("ADA")
+    assert ws.config == WorkspaceConfiguration.adaptive()
+    assert ws.config.policy_learning is LearningPolicy.ADAPTIVE
+    assert ws.config.policy_spill is SpillPolicy.REALLOCATE
+    again = WorkspaceConfiguration.from_dict(ws.config.to_dict())
+    assert again == ws.config and "ADAPTIVE" in repr(again)
+    assert WorkspaceConfiguration.adaptive(initial_size="1MiB").initial_size == MiB
+    # An explicit configuration keeps ND4J's meaning.
+    assert WorkspaceConfiguration().policy_learning is LearningPolicy.FIRST_LOOP
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param([], id="no-warm-up"),
+        pytest.param([0], id="empty"),
+        pytest.param([16], id="smaller"),
+        pytest.param([1 << 20], id="larger"),
+        pytest.param([0, 0, 1 << 18, 8], id="mixed"),
+    ],
+)
+def test_zero_spills_by_the_third_cycle_of_a_loop_whatever_came_first(first):
+    ws = rustws.workspace("CONV")
+    for n in first:
+        with ws:
+            if n:
+                _step(np.ones(n, np.float32))
+    x = np.ones(64, np.float32)
+    spills = []
+    for _ in range(6):
+        before = ws.stats().spill_count
+        with ws:
+            for _ in range(10):
+                _step(x)
+        spills.append(ws.stats().spill_count - before)
+    assert spills[2:] == [0, 0, 0, 0], spills
+
+
+def test_the_arena_shrinks_back_after_an_outlier_cycle():
+    ws = rustws.workspace("DECAY")
+    x = np.ones(MiB // 4, np.float32)
+    for _ in range(3):
+        with ws:
+            _step(x)
+    usual = ws.stats().capacity_bytes
+    with ws:
+        _step(np.ones(8 * MiB, np.float32))  # 32 MB arrays: large, not huge
+    assert ws.stats().capacity_bytes > 8 * usual
+    for _ in range(10):
+        with ws:
+            _step(x)
+    assert ws.stats().capacity_bytes == usual
+
+
+def test_a_long_first_cycle_is_served_from_an_arena_mapped_within_it():
+    ws = rustws.workspace("FIT")
+    x = np.ones(32 * 1024, np.float32)  # 128 KiB temporaries
+    with ws:
+        for _ in range(200):
+            _step(x)
+        s = ws.stats()
+        y = _step(x)
+        assert rustws.owner(y) is ws
+        assert ws.stats().used_bytes >= y.nbytes  # from the arena, not external memory
+        del y
+    assert s.capacity_bytes > 0 and s.spill_count == 0
+
+
+def test_huge_zeroed_and_empty_arrays_stay_lazy_and_do_not_size_the_arena():
+    rss_growth, cap = _child(
+        """
+        ws = rustws.workspace("LAZY")
+        x = np.ones(1000)
+        for _ in range(3):
+            with ws:
+                (x * 2).sum()
+        base = rss()
+        for _ in range(3):
+            with ws:
+                z = np.zeros(1 << 30)            # 8 GiB of zeros, one element touched
+                z[12345] = 1.0
+                e = np.empty(900_000_000, np.float32)  # 3.6 GB, one corner written
+                e[:1000] = 1.0
+                assert rustws.owner(z) is ws and z.sum() == 1.0
+                del z, e
+        print(rss() - base, ws.stats().capacity_bytes)
+        """
+    )
+    assert rss_growth < 64 * MiB, f"lazy arrays made {rss_growth / MiB:.0f} MiB resident"
+    assert cap < MiB, f"huge arrays sized the arena to {cap / MiB:.0f} MiB"
+
+
+def test_threads_that_end_without_destroy_return_their_arenas():
+    (growth,) = _child(
+        """
+        kept = []
+        def work():
+            ws = rustws.workspace("T")
+            for _ in range(3):
+                with ws:
+                    big = np.ones(4_000_000) * 2.0   # 32 MB temporaries
+                    kept.append((big[:8] + 1.0))      # a 64-byte result escapes
+                    del big
+        base = rss()
+        for _ in range(10):
+            t = threading.Thread(target=work)
+            t.start()
+            t.join()
+        gc.collect()
+        assert len(kept) == 30 and all(float(k[0]) == 3.0 for k in kept)
+        print(rss() - base)
+        """
+    )
+    # Ten pre-faulted arenas of ~80 MB each would stay resident if the threads' workspaces kept
+    # them (over 640 MiB). What remains is the C heap's per-thread arenas, which plain NumPy
+    # keeps too (about 60 MiB here), and the pages under the escaped results.
+    assert growth < 256 * MiB, f"ended threads keep {growth / MiB:.0f} MiB resident"
