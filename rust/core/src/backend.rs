@@ -68,6 +68,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
         let _ = (ptr, len);
     }
 
+    /// Returns to the system what the block allocator keeps of freed blocks (the C heap's free
+    /// memory): called when an arena takes over the blocks it served. The default keeps it.
+    fn trim(&self) {}
+
     /// Whether [`Backend::discard`] leaves the pages reading as zero.
     fn discard_zeroes(&self) -> bool {
         false
@@ -208,6 +212,14 @@ impl Backend for AnonymousMemory {
 
     fn discard_zeroes(&self) -> bool {
         true
+    }
+
+    fn trim(&self) {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: a plain glibc call without preconditions.
+        unsafe {
+            libc::malloc_trim(0);
+        }
     }
 
     /// Blocks come from the C heap, as NumPy's default allocator's do: small ones are recycled
@@ -542,6 +554,10 @@ impl Backend for LimitAdaptor {
 
     fn discard_zeroes(&self) -> bool {
         self.upstream.discard_zeroes()
+    }
+
+    fn trim(&self) {
+        self.upstream.trim();
     }
 
     fn populate(&self, ptr: NonNull<u8>, len: usize) {

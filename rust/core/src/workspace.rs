@@ -52,6 +52,10 @@ const MID_CYCLE_CHURN: usize = 16 << 20;
 /// end serves every size.
 const PROVISIONAL_MAX_SLOT: usize = 256 << 10;
 
+/// External bytes a cycle must have served before the block allocator's cache is returned when
+/// an arena takes over.
+const TRIM_AFTER: usize = 1 << 20;
+
 /// A retired region rescans for free pages to return once this much (and an eighth of it) was
 /// freed since the last scan.
 const RETIRED_RESCAN: usize = 1 << 20;
@@ -179,6 +183,9 @@ pub struct Workspace {
     cycle_churn: usize,
     /// The largest slot the current region serves: unlimited but while it is provisional.
     arena_max_slot: usize,
+    /// Bytes of external blocks served in the open cycle (for returning the block allocator's
+    /// cache once an arena takes over).
+    cycle_heap_bytes: usize,
     /// Bytes pre-faulted synchronously, in total.
     prefaulted_bytes: u64,
     /// Bytes of the current region to pre-fault when the next cycle opens.
@@ -255,6 +262,7 @@ impl Workspace {
             huge_live_len: 0,
             cycle_churn: 0,
             arena_max_slot: usize::MAX,
+            cycle_heap_bytes: 0,
             prefaulted_bytes: 0,
             pending_prefault: 0,
             live_slot_bytes: 0,
@@ -445,6 +453,7 @@ impl Workspace {
         let escaped_bytes = self.used_bytes + self.external_bytes - self.pinned_bytes;
         let need = self.cycle_slot_peak + (self.live_slot_bytes - self.pinned_slot_bytes);
         let learning = !self.initialized;
+        let region_before = self.region.as_ref().map(|r| r.id());
         if self.adaptive {
             self.adapt(need);
         } else if learning {
@@ -465,6 +474,13 @@ impl Workspace {
         }
         self.grow_at_cycle_end = false;
         self.arena_max_slot = usize::MAX;
+        if std::mem::take(&mut self.cycle_heap_bytes) >= TRIM_AFTER
+            && self.region.as_ref().map(|r| r.id()) != region_before
+        {
+            // An arena now serves what the block allocator served this cycle: the memory it
+            // keeps of those blocks would only add to the arena's.
+            self.backend.trim();
+        }
         if !self.huge_cache.is_empty() {
             let now = self.generation;
             self.release_huge_cache(|m| m.used + HUGE_CACHE_CYCLES <= now);
@@ -617,6 +633,7 @@ impl Workspace {
             }
         }
         let p = self.alloc_block(BlockKind::External, size, ext, zeroed)?;
+        self.cycle_heap_bytes = self.cycle_heap_bytes.saturating_add(ext);
         if spill {
             self.spill_count += 1;
             if self.config.policy_spill == SpillPolicy::Reallocate
@@ -655,13 +672,10 @@ impl Workspace {
         }
         self.replace_region(cap, 0).ok()?;
         self.arena_max_slot = PROVISIONAL_MAX_SLOT;
-        // The smaller blocks come from the arena from now on: what the C heap kept of those
-        // it served so far goes back to the system, so that the two never add up.
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: a plain glibc call without preconditions.
-        unsafe {
-            libc::malloc_trim(0);
-        }
+        // The smaller blocks come from the arena from now on: what the block allocator kept of
+        // those it served so far goes back to the system, so that the two never add up.
+        self.backend.trim();
+        self.cycle_heap_bytes = 0;
         self.carve_arena(size, slot, zeroed)
     }
 
