@@ -10,6 +10,7 @@ __all__ = [
     "HEADER_BYTES",
     "SCOPES",
     "DeviceBuffer",
+    "Scope",
     "WorkspaceCore",
     "__version__",
     "build_info",
@@ -57,6 +58,12 @@ def torch_route(workspace: WorkspaceCore | None, ordinal: int = 0) -> None: ...
 def torch_blocks() -> tuple[int, int]: ...
 
 SCOPES: contextvars.ContextVar[Any]
+
+@final
+class Scope:
+    def __new__(cls, owner: Any, install: bool, handler: object | None = None) -> Self: ...
+    def __enter__(self) -> Any: ...
+    def __exit__(self, _exc_type: object = None, _exc: object = None, _tb: object = None) -> bool: ...
 
 @final
 class DeviceBuffer:

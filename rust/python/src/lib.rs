@@ -154,17 +154,22 @@ fn push_scope(
         (true, None) => scope::Install::Default,
         (true, Some(h)) => scope::Install::Handler(h),
     };
-    scope::push(py, owner, how)?;
+    scope::push(py, owner, owner, how)?;
     if let Ok(ws) = owner.cast::<WorkspaceCore>() {
         ws.get().note_entered();
     }
     Ok(())
 }
 
-/// Pops the innermost scope, which must be `owner`'s (else `ScopeError`).
+/// Pops `owner`'s innermost scope; one that is not the innermost is unlinked with a
+/// `ResourceWarning`; `ScopeError` when `owner` has no scope in this context.
 #[pyfunction]
 fn pop_scope(py: Python<'_>, owner: &Bound<'_, PyAny>) -> PyResult<()> {
-    scope::pop(py, owner, || owner.cast::<WorkspaceCore>().is_ok_and(|w| w.get().entered_elsewhere()))
+    let elsewhere = || owner.cast::<WorkspaceCore>().is_ok_and(|w| w.get().entered_elsewhere());
+    if let scope::Popped::Unlinked(innermost) = scope::pop(py, owner, owner, elsewhere)? {
+        scope::warn_unlinked(py, &scope::describe(owner), &innermost)?;
+    }
+    Ok(())
 }
 
 /// The workspace of the innermost scope of this thread or task (None when there is none).
@@ -314,7 +319,7 @@ impl WorkspaceCore {
         entered.map_err(|e| to_py(py, e))?;
         let capsule = me.capsule.bind(py);
         let how = if me.installs_handler() { scope::Install::Handler(capsule) } else { scope::Install::Keep };
-        if let Err(e) = scope::push(py, slf.as_any(), how) {
+        if let Err(e) = scope::push(py, slf.as_any(), slf.as_any(), how) {
             let _ = me.shared.lock().exit();
             return Err(e);
         }
@@ -322,8 +327,9 @@ impl WorkspaceCore {
         Ok(slf.clone())
     }
 
-    /// Closes the innermost scope; the outermost level ends the cycle. Reports refused
-    /// requests and escaped arrays through `_after_cycle` when there are any.
+    /// Closes this workspace's innermost scope; the outermost level ends the cycle. Reports
+    /// refused requests and escaped arrays through `_after_cycle` when there are any. A scope
+    /// that is not the innermost is unlinked and the exit warns (`ResourceWarning`).
     #[pyo3(signature = (exc_type=None, _exc=None, _tb=None))]
     fn __exit__(
         slf: &Bound<'_, Self>,
@@ -333,17 +339,19 @@ impl WorkspaceCore {
     ) -> PyResult<bool> {
         let py = slf.py();
         let me = slf.get();
-        scope::pop(py, slf.as_any(), || me.entered_elsewhere())?;
-        if me.shared.destroyed.load(Ordering::Relaxed) {
-            return Ok(false);
+        let popped = scope::pop(py, slf.as_any(), slf.as_any(), || me.entered_elsewhere())?;
+        if !me.shared.destroyed.load(Ordering::Relaxed) {
+            let exited = me.shared.lock().exit();
+            let r = exited.map_err(|e| to_py(py, e))?;
+            let failures = me.shared.has_failures.load(Ordering::Relaxed);
+            let leaked = r.completed && r.escaped_blocks > 0 && me.cycle_detector;
+            if failures || leaked {
+                let clean = exc_type.is_none_or(|t| t.is_none());
+                slf.call_method1("_after_cycle", (leaked && clean, r.escaped_blocks, r.escaped_bytes))?;
+            }
         }
-        let exited = me.shared.lock().exit();
-        let r = exited.map_err(|e| to_py(py, e))?;
-        let failures = me.shared.has_failures.load(Ordering::Relaxed);
-        let leaked = r.completed && r.escaped_blocks > 0 && me.cycle_detector;
-        if failures || leaked {
-            let clean = exc_type.is_none_or(|t| t.is_none());
-            slf.call_method1("_after_cycle", (leaked && clean, r.escaped_blocks, r.escaped_bytes))?;
+        if let scope::Popped::Unlinked(innermost) = popped {
+            scope::warn_unlinked(py, &scope::describe(slf.as_any()), &innermost)?;
         }
         Ok(false)
     }
@@ -465,6 +473,7 @@ impl WorkspaceCore {
 fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkspaceCore>()?;
     m.add_class::<DeviceBuffer>()?;
+    m.add_class::<scope::Scope>()?;
     m.add_function(wrap_pyfunction!(dlpack::dlpack_capsule, m)?)?;
     m.add_function(wrap_pyfunction!(device::torch_route, m)?)?;
     m.add_function(wrap_pyfunction!(device::torch_blocks, m)?)?;
