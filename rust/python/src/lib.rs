@@ -50,10 +50,10 @@ pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
     }
 }
 
-/// `RUSTWS_DEBUG_MODE` as the core reads it (`None` when unset or unknown).
+/// `RUSTWS_DEBUG_MODE` as the core reads it (`None` when unset; `ValueError` when unknown).
 #[pyfunction]
-fn env_debug_mode() -> Option<&'static str> {
-    DebugMode::from_env().map(DebugMode::as_str)
+fn env_debug_mode(py: Python<'_>) -> PyResult<Option<&'static str>> {
+    DebugMode::env_override().map(|m| m.map(DebugMode::as_str)).map_err(|e| to_py(py, e))
 }
 
 /// Makes `handler` (a `mem_handler` capsule, or None for NumPy's default) current in this
