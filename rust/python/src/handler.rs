@@ -214,10 +214,15 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
         unsafe { ffi::PyErr_Clear() };
         return;
     }
-    // SAFETY: the pointer came from `Box::into_raw` in `new_capsule` and this destructor runs once.
-    let handler = unsafe { Box::from_raw(ptr) };
-    // SAFETY: `ctx` holds the strong reference taken in `new_capsule`, released once here.
-    drop(unsafe { Arc::from_raw(handler.allocator.ctx as *const Shared) });
+    // Releasing the last reference drops the workspace (its regions are unmapped): nothing of that
+    // may unwind into the interpreter. A panic leaks what was left.
+    guarded((), || {
+        // SAFETY: the pointer came from `Box::into_raw` in `new_capsule` and this destructor runs
+        // once.
+        let handler = unsafe { Box::from_raw(ptr) };
+        // SAFETY: `ctx` holds the strong reference taken in `new_capsule`, released once here.
+        drop(unsafe { Arc::from_raw(handler.allocator.ctx as *const Shared) });
+    });
 }
 
 /// The `mem_handler` capsule of a workspace; its name is `rustws:<id>:<workspace name>`.
