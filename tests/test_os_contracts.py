@@ -124,7 +124,9 @@ def small_tmpfs():
     if mount is None or not sys.platform.startswith("linux"):
         os.rmdir(folder)
         pytest.skip("no mount command: cannot make a small file system")
-    r = subprocess.run([mount, "-t", "tmpfs", "-o", "size=8m", "tmpfs", folder], capture_output=True, text=True)
+    r = subprocess.run(
+        [mount, "-t", "tmpfs", "-o", "size=8m", "tmpfs", folder], capture_output=True, text=True
+    )
     if r.returncode != 0:
         os.rmdir(folder)
         pytest.skip(f"mounting an 8 MiB tmpfs is not permitted here: {r.stderr.strip()}")

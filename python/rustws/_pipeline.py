@@ -76,7 +76,9 @@ class _Producer:
     the ``AsyncPrefetch`` itself, so a consumer that stops early (``break``) and drops its iterator
     lets it be finalised, which stops the thread."""
 
-    def __init__(self, source: Iterator[Any], buffer_size: int, config: WorkspaceConfiguration | None) -> None:
+    def __init__(
+        self, source: Iterator[Any], buffer_size: int, config: WorkspaceConfiguration | None
+    ) -> None:
         self.source = source
         self.buffer_size = buffer_size
         self.config = config
