@@ -353,12 +353,11 @@ unsafe fn privatize(addr: *mut libc::c_void, len: usize) {
 fn register_fork_handlers() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        // Miri runs no fork handlers (and no fork).
-        #[cfg(not(miri))]
+        if cfg!(miri) {
+            return; // Miri runs no fork handlers (and no fork).
+        }
         // SAFETY: the handlers are plain functions that neither allocate nor unwind.
-        unsafe {
-            libc::pthread_atfork(Some(before_fork), Some(after_fork_in_parent), Some(after_fork_in_child))
-        };
+        unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_in_parent), Some(after_fork_in_child)) };
     });
 }
 
