@@ -25,8 +25,8 @@ cargo fmt --all -- --check
 step "cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 step "ruff"
-.venv/bin/ruff check python tests benches
-.venv/bin/ruff format --check python tests benches
+.venv/bin/ruff check python tests benches scripts
+.venv/bin/ruff format --check python tests benches scripts
 step "stubs match the module"
 $VPY -m mypy.stubtest rustws._rustws
 
