@@ -15,6 +15,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import rustws
 from rustws import ResetPolicy, SpillPolicy, WorkspaceConfiguration, _rustws
 
+try:  # NumPy 2
+    from numpy._core.multiarray import get_handler_name as handler_name
+except ImportError:  # NumPy 1.x
+    from numpy.core.multiarray import get_handler_name as handler_name
+
 CONFIGS = {
     "LEARN": WorkspaceConfiguration(),
     "SMALL_FAIL": WorkspaceConfiguration(
@@ -157,7 +162,7 @@ class ScopeMachine(RuleBasedStateMachine):
         top = self.stack[-1] if self.stack else None
         assert rustws.current_workspace() is top
         if top is not None and top.debug_mode_name != "BYPASS_EVERYTHING":
-            assert _rustws.get_handler() is top.handler, "NumPy's handler is not the innermost workspace's"
+            assert handler_name() == f"rustws:{top.id}:{top.name}", "NumPy's handler is not the innermost's"
         elif top is None:
             assert _rustws.get_handler() is self.handler
 

@@ -1,6 +1,5 @@
 """Type stubs for the compiled bindings ``rustws._rustws``."""
 
-import contextvars
 from typing import Any, Self, final
 
 import numpy as np
@@ -8,7 +7,6 @@ from typing_extensions import disjoint_base
 
 __all__ = [
     "HEADER_BYTES",
-    "SCOPES",
     "DeviceBuffer",
     "Scope",
     "WorkspaceCore",
@@ -56,8 +54,6 @@ def dlpack_capsule(
 ) -> object: ...
 def torch_route(workspace: WorkspaceCore | None, ordinal: int = 0) -> None: ...
 def torch_blocks() -> tuple[int, int]: ...
-
-SCOPES: contextvars.ContextVar[Any]
 
 @final
 class Scope:

@@ -294,6 +294,31 @@ pub fn set_handler<'py>(py: Python<'py>, handler: Option<&Bound<'py, PyAny>>) ->
     unsafe { Bound::from_owned_ptr_or_err(py, old) }
 }
 
+/// NumPy's default handler capsule (the same object for the life of the process).
+pub fn default_handler(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static DEFAULT: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    DEFAULT
+        .get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+            let previous = set_handler(py, None)?;
+            let default = get_handler(py);
+            set_handler(py, Some(&previous))?;
+            Ok(default?.unbind())
+        })
+        .map(|h| h.bind(py))
+}
+
+/// The `PyDataMemHandler` a `mem_handler` capsule lends (null for anything else; no exception).
+pub fn lent_handler(capsule: &Bound<'_, PyAny>) -> *mut c_void {
+    // SAFETY: a live object; `PyCapsule_IsValid` sets no exception, and `GetPointer` is called only
+    // on a valid capsule of that name.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) != 1 {
+            return null_mut();
+        }
+        ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr())
+    }
+}
+
 /// `PyDataMem_GetHandler`: the handler current in this context.
 pub fn get_handler(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     let table = api_table(py)?;

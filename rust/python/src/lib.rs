@@ -392,7 +392,13 @@ impl WorkspaceCore {
         // SAFETY: `array` is a live ndarray and the layout of `ArrayFields` was checked.
         let f = unsafe { &*(array.as_ptr() as *const ArrayFields) };
         let Some(data) = std::ptr::NonNull::new(f.data.cast::<u8>()) else { return Ok(false) };
-        if f.mem_handler != self.capsule.as_ptr() || f.flags & NPY_ARRAY_OWNDATA == 0 {
+        if f.mem_handler.is_null() || f.flags & NPY_ARRAY_OWNDATA == 0 {
+            return Ok(false);
+        }
+        // The array's handler is this workspace's capsule, or a scope node lending its handler.
+        // SAFETY: a live array owns a strong reference to its handler.
+        let array_handler = unsafe { Bound::from_borrowed_ptr(py, f.mem_handler) };
+        if handler::lent_handler(&array_handler) != handler::lent_handler(self.capsule.bind(py)) {
             return Ok(false);
         }
         let ws = self.shared.lock();
@@ -488,7 +494,6 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(push_scope, m)?)?;
     m.add_function(wrap_pyfunction!(pop_scope, m)?)?;
     m.add_function(wrap_pyfunction!(current_workspace, m)?)?;
-    m.add("SCOPES", scope::scope_var(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HEADER_BYTES", Workspace::header_bytes())?;
     Ok(())
