@@ -38,6 +38,9 @@ if cargo +nightly miri --version >/dev/null 2>&1; then
     MIRIFLAGS="-Zmiri-disable-isolation" cargo +nightly miri test -p rustws-core --lib --no-default-features --quiet
 else
     echo "skipped: no nightly toolchain with the miri component here (rustup +nightly component add miri)"
+    echo "checking that the core still builds under cfg(miri) (its shims for madvise and sysconf)"
+    RUSTFLAGS="--cfg miri" cargo check -p rustws-core --lib --no-default-features --quiet \
+        --target-dir target/miri-cfg-check
 fi
 step "python tests"
 $VPY -m pytest -q
