@@ -1,6 +1,7 @@
 """Scopes under Python's control flow: out-of-order exits (a generator finalised while another
 scope is innermost), exceptions raised at any point of entering or leaving a scope (as a signal
-handler's ``KeyboardInterrupt`` can be), and exiting twice."""
+handler's ``KeyboardInterrupt`` can be), exiting twice, and a state machine over every kind of
+scope exited in any order."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import rustws
 from rustws import WorkspaceConfiguration, _rustws
@@ -163,3 +167,93 @@ def test_a_borrow_exited_out_of_order_is_unlinked():
 def test_scope_objects_refuse_a_bad_handler():
     with pytest.raises(TypeError, match="handler"):
         _rustws.Scope(None, True, "not a capsule")
+
+
+# -- a state machine over every kind of scope, exited in any order -----------------------------------
+
+KINDS = ("cycle", "borrow", "out")
+SPACES = {"CAP-A": True, "CAP-B": True, "QUIET": False}  # name -> capture
+
+
+class ScopeStack(RuleBasedStateMachine):
+    """Cycles, ``borrow()`` and ``scope_out_of_workspaces()`` entered in any nesting and exited in
+    any order. The model: the stack of entries; the innermost workspace is current; NumPy serves
+    from the innermost entry that installs a handler (a capturing cycle or borrow, or a
+    ``scope_out_of_workspaces``), else from its default; each workspace's depth counts its cycles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[tuple[str, rustws.Workspace | None, object]] = []
+
+    def space(self, name: str) -> rustws.Workspace:
+        return rustws.workspace(name, cfg(), capture=SPACES[name])
+
+    @precondition(lambda self: len(self.entries) < 8)
+    @rule(kind=st.sampled_from(KINDS), name=st.sampled_from(sorted(SPACES)))
+    def enter(self, kind, name):
+        ws = self.space(name)
+        if kind == "cycle":
+            ws.__enter__()
+            self.entries.append((kind, ws, ws))
+        elif kind == "borrow":
+            scope = ws.borrow()
+            scope.__enter__()
+            self.entries.append((kind, ws, scope))
+        else:
+            scope = rustws.scope_out_of_workspaces()
+            scope.__enter__()
+            self.entries.append((kind, None, scope))
+
+    @precondition(lambda self: self.entries)
+    @rule(data=st.data())
+    def exit_any(self, data):
+        i = data.draw(st.integers(0, len(self.entries) - 1))
+        kind, ws, key = self.entries[i]
+        # A cycle's exit takes its workspace's innermost cycle; a scope object is its own key.
+        j = max(k for k, e in enumerate(self.entries) if e[2] is key and e[0] == kind)
+        exiting = key if kind != "cycle" else ws
+        if j == len(self.entries) - 1:
+            exiting.__exit__(None, None, None)
+        else:
+            with pytest.warns(ResourceWarning, match="unlinked"):
+                exiting.__exit__(None, None, None)
+        del self.entries[j]
+
+    @rule()
+    def allocate(self):
+        a = np.ones(100) + 1
+        assert rustws.owner(a) is self.serving()
+
+    def serving(self) -> rustws.Workspace | None:
+        for kind, ws, _ in reversed(self.entries):
+            if kind == "out":
+                return None
+            if ws is not None and ws.capture:
+                return ws
+        return None
+
+    @invariant()
+    def the_model_holds(self):
+        top = self.entries[-1][1] if self.entries else None
+        assert rustws.current_workspace() is top
+        ws = self.serving()
+        if ws is None:
+            assert get_handler_name() == "default_allocator"
+        else:
+            assert serving(ws)
+        for name in SPACES:
+            w = rustws.get_workspace(name)
+            if w is not None:
+                assert w.depth == sum(1 for k, e, _ in self.entries if k == "cycle" and e is w)
+
+    def teardown(self):
+        while self.entries:
+            kind, ws, key = self.entries.pop()
+            (key if kind != "cycle" else ws).__exit__(None, None, None)
+        assert rustws.current_workspace() is None
+
+
+ScopeStack.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestScopeStack = ScopeStack.TestCase
