@@ -943,6 +943,32 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri maps no files")]
+    fn a_refused_prefault_is_an_error_not_a_touch() {
+        // Pages past the end of a file have no backing store: MADV_POPULATE_WRITE refuses them
+        // (EFAULT / EIO), and touching them would raise SIGBUS.
+        let page = page_size();
+        let probe = mmap_checked(page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1);
+        let probe = probe.unwrap();
+        // SAFETY: our fresh one-page mapping.
+        let known = unsafe { libc::madvise(probe.as_ptr().cast(), page, 23) } == 0;
+        // SAFETY: mapped above.
+        unsafe { libc::munmap(probe.as_ptr().cast(), page) };
+        if !known {
+            eprintln!("skipped: this kernel has no MADV_POPULATE_WRITE (before 5.14), so prefault touches pages");
+            return;
+        }
+        let f = FileMappedMemory::unnamed_in(&std::env::temp_dir(), "rustws-short").unwrap();
+        f.set_len(page as u64).unwrap();
+        let len = 4 * page;
+        let p = mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd()).unwrap();
+        let r = try_prefault(p, len);
+        // SAFETY: mapped above, never handed out.
+        unsafe { libc::munmap(p.as_ptr().cast(), len) };
+        assert!(r.is_err(), "a prefault past the end of the file succeeded");
+    }
+
+    #[test]
     fn fault_adaptor_fails_the_chosen_calls_with_the_system_error() {
         let once = FaultAdaptor::fail_nth(Arc::new(HeapMemory), 2, libc::ENOSPC);
         let a = once.map(4096, false).unwrap();
