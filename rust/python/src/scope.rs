@@ -3,14 +3,14 @@
 //! The stack lives in NumPy's own current-handler `ContextVar` (so threads and asyncio tasks each
 //! see their own, exactly as they see their own handler): each scope is a *node*, a
 //! `mem_handler` capsule that serves NumPy like the handler in force inside the scope (its
-//! pointer is that handler's `PyDataMemHandler`) and whose context is a tuple
-//! `(owner, key, below, served, installs)`: `owner` is a workspace or None
-//! (`scope_out_of_workspaces`), `key` identifies the scope (the workspace for a cycle, the
-//! [`Scope`] object for `borrow()` and `scope_out_of_workspaces()`), `below` is the value the
-//! variable held before (the parent node, or the handler to restore), `served` the capsule whose
-//! handler the node lends (kept alive by it), `installs` whether the scope chose it (else it
-//! serves whatever is below). Entering and leaving a scope is one variable write each; arrays
-//! NumPy allocates inside keep a reference to the node, as they do to any handler.
+//! pointer is that handler's `PyDataMemHandler`) and whose context is a [`NodeData`]: `owner` is
+//! a workspace or None (`scope_out_of_workspaces`), `key` identifies the scope (the workspace for
+//! a cycle, the [`Scope`] object for `borrow()` and `scope_out_of_workspaces()`), `below` is the
+//! value the variable held before (the parent node, or the handler to restore), `served` the
+//! capsule whose handler the node lends (kept alive by it), `installs` whether the scope chose it
+//! (else it serves whatever is below). Nodes never change once made. Entering and leaving a scope
+//! is one variable write each; arrays NumPy allocates inside keep a reference to the node, as they
+//! do to any handler.
 //!
 //! Scopes may exit out of order, as TorchSharp's dispose scopes do: the scope that exits is
 //! unlinked wherever it is in the stack (the nodes above it are rebuilt over what was below it),
@@ -303,8 +303,7 @@ pub fn pop(
         cursor = next;
     };
     let mut rebuilt = below_found;
-    for obj in above.iter().rev() {
-        let node = as_node(obj).expect("collected as a node");
+    for node in above.iter().rev().filter_map(as_node) {
         let served = if node.data.installs { node.served() } else { rebuilt.clone() };
         rebuilt = new_node(py, &node.owner(), &node.key(), &rebuilt, &served, node.data.installs)?;
     }
