@@ -44,8 +44,9 @@ def test_full_broadcasts_an_array_fill_value_as_numpy_does(ws):
 
 def test_an_unknown_debug_mode_in_the_environment_is_an_error(monkeypatch):
     monkeypatch.setenv("RUSTWS_DEBUG_MODE", "bogus")
+    config = WorkspaceConfiguration(initial_size=MiB)  # the configuration itself is fine
     with pytest.raises(ValueError, match=r"RUSTWS_DEBUG_MODE.*bogus"):
-        rustws.workspace("BOGUS", WorkspaceConfiguration(initial_size=MiB))
+        rustws.workspace("BOGUS", config)
     with pytest.raises(ValueError, match="RUSTWS_DEBUG_MODE"):
         rustws._rustws.env_debug_mode()
     monkeypatch.setenv("RUSTWS_DEBUG_MODE", "Spill")

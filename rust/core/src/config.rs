@@ -214,7 +214,6 @@ fn invalid(field: &'static str, message: String) -> Error {
 impl WorkspaceConfiguration {
     /// Checks every field and every combination; the error names the first offending field.
     pub fn validate(&self) -> Result<(), Error> {
-        DebugMode::env_override()?;
         for (field, value) in [
             ("initial_size", self.initial_size),
             ("min_size", self.min_size),

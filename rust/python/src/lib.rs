@@ -187,6 +187,8 @@ impl WorkspaceCore {
     #[new]
     #[pyo3(signature = (name, config, backend=None))]
     fn new(py: Python<'_>, name: &str, config: &Bound<'_, PyDict>, backend: Option<&str>) -> PyResult<Self> {
+        // A value of RUSTWS_DEBUG_MODE that names no mode must not silently leave workspaces on.
+        DebugMode::env_override().map_err(|e| to_py(py, e))?;
         let c = config_from_dict(config)?;
         let ordinal = |spec: &str| -> PyResult<usize> {
             spec.parse::<usize>()
