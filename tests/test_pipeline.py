@@ -192,3 +192,31 @@ def test_gc_bad_arguments():
         rustws.toggle_periodic_gc(1)
     with pytest.raises(ValueError), rustws.gc_window(0):
         pass
+
+
+def _prefetch_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "rustws-prefetch"}
+
+
+def test_a_loop_left_by_break_stops_its_thread_and_frees_its_workspace():
+    def endless():
+        i = 0
+        while True:
+            yield np.full(1000, i)
+            i += 1
+
+    before = _prefetch_threads()
+    spaces = []
+    for _ in range(5):
+        it = AsyncPrefetch(endless(), buffer_size=2)
+        for k, _x in enumerate(it):
+            if k == 2:
+                spaces.append(it.workspace)
+                break
+        del it, _x  # abandoned without close()
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _prefetch_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not (_prefetch_threads() - before), "abandoned prefetch threads still run"
+    assert all(ws.is_destroyed for ws in spaces)

@@ -667,18 +667,20 @@ def test_config_as_dict_is_accepted():
     assert ws.config.policy_spill is SpillPolicy.FAIL
 
 
-def test_exiting_a_scope_that_is_not_the_innermost():
+def test_exiting_a_scope_that_is_not_the_innermost_unlinks_it():
     a = rustws.workspace("OA", cfg(initial_size=MiB))
     b = rustws.workspace("OB2", cfg(initial_size=MiB))
     a.__enter__()
     b.__enter__()
-    with pytest.raises(rustws.ScopeError, match="innermost"):
+    with pytest.warns(ResourceWarning, match=r"'OA' exited while workspace 'OB2' was the innermost"):
         a.__exit__(None, None, None)
-    assert a.is_open and b.is_open
+    assert not a.is_open and b.is_open
+    assert rustws.current_workspace() is b
+    assert rustws.owner(np.ones(4) + 1) is b  # still capturing into b
     b.__exit__(None, None, None)
-    a.__exit__(None, None, None)
     assert not a.is_open and not b.is_open
-    with pytest.raises(rustws.ScopeError):
+    assert rustws.current_workspace() is None
+    with pytest.raises(rustws.ScopeError, match="'OA' is not open"):
         a.__exit__(None, None, None)
 
 

@@ -71,11 +71,78 @@ def _copy_into(ws: Workspace, item: Any) -> Any:
     return item
 
 
+class _Producer:
+    """What the background thread of an ``AsyncPrefetch`` works with. The thread holds this, never
+    the ``AsyncPrefetch`` itself, so a consumer that stops early (``break``) and drops its iterator
+    lets it be finalised, which stops the thread."""
+
+    def __init__(
+        self, source: Iterator[Any], buffer_size: int, config: WorkspaceConfiguration | None
+    ) -> None:
+        self.source = source
+        self.buffer_size = buffer_size
+        self.config = config
+        self.stop = threading.Event()
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=buffer_size)
+        self.workspace: Workspace | None = None
+
+    def _workspace_for(self, first: Any) -> Workspace:
+        cfg = self.config
+        if cfg is None:
+            size = max(_nbytes(first) * (self.buffer_size + 2), 1 << 20)
+            cfg = WorkspaceConfiguration(
+                initial_size=size,
+                policy_learning="NONE",
+                policy_reset=ResetPolicy.ENDOFBUFFER_REACHED,
+                policy_spill=SpillPolicy.REALLOCATE,
+            )
+        return workspace(f"PREFETCH-{id(self):x}", cfg, capture=False)
+
+    def put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run(self) -> None:
+        try:
+            for item in self.source:
+                if self.stop.is_set():
+                    break
+                ws = self.workspace
+                if ws is None:
+                    ws = self.workspace = self._workspace_for(item)
+                with ws:
+                    copy = _copy_into(ws, item)
+                del item
+                if not self.put(copy):
+                    break
+            else:
+                self.put(_END)
+        except BaseException as error:  # re-raised in the consumer
+            self.put(_Failure(error))
+        finally:
+            if self.stop.is_set():
+                self.drain()
+                # Abandoned: nobody will consume what is left. Items already handed out stay valid.
+                if self.workspace is not None:
+                    self.workspace.destroy()
+
+    def drain(self) -> None:
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.queue.get_nowait()
+
+
 class AsyncPrefetch:
     """Prefetches ``iterable`` on a background thread into a cyclic workspace.
 
-    An iterator and a context manager; ``close()`` stops the thread (also when the consumer stops
-    early). Errors in the source re-raise in the consumer, with their traceback.
+    An iterator and a context manager; ``close()`` stops the thread, and so does dropping the
+    iterator (a ``for`` loop left by ``break``). Errors in the source re-raise in the consumer,
+    with their traceback.
     """
 
     def __init__(
@@ -88,73 +155,36 @@ class AsyncPrefetch:
         if config is not None and not isinstance(config, WorkspaceConfiguration):
             raise TypeError(f"config must be a WorkspaceConfiguration or None, got {type(config).__name__}")
         self.buffer_size = buffer_size
-        self._config = config
         self._closed = False
         self._shielded = isinstance(iterable, AsyncShield)
-        self._source = iter(iterable)  # raises TypeError for a non-iterable, here in the caller
-        self._stop = threading.Event()
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=buffer_size)
+        source = iter(iterable)  # raises TypeError for a non-iterable, here in the caller
+        self._source = source if self._shielded else None
+        self._producer = _Producer(source, buffer_size, config)
         self._thread: threading.Thread | None = None
-        #: The cyclic workspace the items are copied into (made from the first item).
-        self.workspace: Workspace | None = None
         if not self._shielded:
-            self._thread = threading.Thread(target=self._produce, name="rustws-prefetch", daemon=True)
+            self._thread = threading.Thread(target=self._producer.run, name="rustws-prefetch", daemon=True)
             self._thread.start()
 
-    # -- producer ---------------------------------------------------------------------------------
-    def _workspace_for(self, first: Any) -> Workspace:
-        cfg = self._config
-        if cfg is None:
-            size = max(_nbytes(first) * (self.buffer_size + 2), 1 << 20)
-            cfg = WorkspaceConfiguration(
-                initial_size=size,
-                policy_learning="NONE",
-                policy_reset=ResetPolicy.ENDOFBUFFER_REACHED,
-                policy_spill=SpillPolicy.REALLOCATE,
-            )
-        return workspace(f"PREFETCH-{id(self):x}", cfg, capture=False)
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _produce(self) -> None:
-        try:
-            for item in self._source:
-                if self._stop.is_set():
-                    return
-                ws = self.workspace
-                if ws is None:
-                    ws = self.workspace = self._workspace_for(item)
-                with ws:
-                    copy = _copy_into(ws, item)
-                del item
-                if not self._put(copy):
-                    return
-            self._put(_END)
-        except BaseException as error:  # re-raised in the consumer
-            self._put(_Failure(error))
+    @property
+    def workspace(self) -> Workspace | None:
+        """The cyclic workspace the items are copied into (made from the first item)."""
+        return self._producer.workspace
 
     # -- consumer ---------------------------------------------------------------------------------
     def __iter__(self) -> AsyncPrefetch:
         return self
 
     def __next__(self) -> Any:
-        if self._shielded:
+        if self._source is not None:
             return next(self._source)
         if self._closed:
             raise StopIteration
         while True:
             try:
-                item = self._queue.get(timeout=0.1)
+                item = self._producer.queue.get(timeout=0.1)
                 break
             except queue.Empty:
-                if self._thread is not None and not self._thread.is_alive() and self._queue.empty():
+                if self._thread is not None and not self._thread.is_alive() and self._producer.queue.empty():
                     self._closed = True
                     raise StopIteration from None
         if item is _END:
@@ -168,14 +198,13 @@ class AsyncPrefetch:
     def close(self) -> None:
         """Stops the background thread and drops what it prefetched. Idempotent."""
         self._closed = True
-        self._stop.set()
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self._queue.get_nowait()
+        producer = self._producer
+        producer.stop.set()
+        producer.drain()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
-        if self.workspace is not None and not self.is_alive:
-            self.workspace.destroy()  # items the consumer still holds stay valid
+        if producer.workspace is not None and not self.is_alive:
+            producer.workspace.destroy()  # items the consumer still holds stay valid
 
     @property
     def is_alive(self) -> bool:
@@ -189,8 +218,10 @@ class AsyncPrefetch:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self._stop.set()
+        # Dropped without close(): the thread sees the flag within one queue timeout and ends.
+        producer = getattr(self, "_producer", None)
+        if producer is not None:
+            producer.stop.set()
 
 
 # -- garbage collection ---------------------------------------------------------------------------

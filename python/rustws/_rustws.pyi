@@ -1,6 +1,5 @@
 """Type stubs for the compiled bindings ``rustws._rustws``."""
 
-import contextvars
 from typing import Any, Self, final
 
 import numpy as np
@@ -8,8 +7,8 @@ from typing_extensions import disjoint_base
 
 __all__ = [
     "HEADER_BYTES",
-    "SCOPES",
     "DeviceBuffer",
+    "Scope",
     "WorkspaceCore",
     "__version__",
     "build_info",
@@ -56,7 +55,11 @@ def dlpack_capsule(
 def torch_route(workspace: WorkspaceCore | None, ordinal: int = 0) -> None: ...
 def torch_blocks() -> tuple[int, int]: ...
 
-SCOPES: contextvars.ContextVar[Any]
+@final
+class Scope:
+    def __new__(cls, owner: Any, install: bool, handler: object | None = None) -> Self: ...
+    def __enter__(self) -> Any: ...
+    def __exit__(self, _exc_type: object = None, _exc: object = None, _tb: object = None) -> bool: ...
 
 @final
 class DeviceBuffer:

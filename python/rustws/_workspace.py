@@ -16,7 +16,6 @@ import threading
 import traceback
 import warnings
 import weakref
-from collections.abc import Iterator
 from typing import Any, TextIO
 
 import numpy as np
@@ -76,6 +75,7 @@ class Workspace(_rustws.WorkspaceCore):
         self.capture = capture
         self._registry: dict[str, Workspace] | None = None
         self._traces: list[tuple[weakref.ref[Any], int, str]] = []
+        self._traces_limit = 64
         if config.use_cycle_detector and os.environ.get("RUSTWS_TRACE") == "1":
             # Record where explicit allocations happen, for the escape report. (Captured
             # allocations happen inside NumPy, where no Python runs.)
@@ -86,9 +86,15 @@ class Workspace(_rustws.WorkspaceCore):
         def traced(*args: Any, **kwargs: Any) -> Any:
             a = allocate(*args, **kwargs)
             frame = traceback.extract_stack(limit=2)[0]  # the caller of the allocation
-            self._traces.append(
+            traces = self._traces
+            traces.append(
                 (weakref.ref(a), self.generation, f"{frame.filename}:{frame.lineno} in {frame.name}")
             )
+            if len(traces) >= self._traces_limit:
+                # Arrays that died need no trace: drop them, amortised over the appends, so clean
+                # cycles keep only the traces of arrays still alive.
+                traces[:] = [t for t in traces if t[0]() is not None]
+                self._traces_limit = max(64, 2 * len(traces))
             return a
 
         return traced
@@ -116,25 +122,26 @@ class Workspace(_rustws.WorkspaceCore):
                 raise LeakedArrayError(message)
             warnings.warn(message, ResourceWarning, stacklevel=3)
 
-    @contextlib.contextmanager
-    def borrow(self) -> Iterator[Workspace]:
-        """Makes this workspace current (and capturing) without opening a new cycle."""
+    def borrow(self) -> contextlib.AbstractContextManager[Workspace]:
+        """Makes this workspace current (and capturing) without opening a new cycle. Entering and
+        leaving are single steps in the bindings: no exception can leave the scope half open."""
         if self.is_destroyed:
             raise WorkspaceClosedError(f"workspace {self.name!r} was destroyed")
         install = self.capture and self.debug_mode_name != "BYPASS_EVERYTHING"
-        _rustws.push_scope(self, install, self.handler)
-        try:
-            yield self
-        finally:
-            _rustws.pop_scope(self)
+        return _rustws.Scope(self, install, self.handler)  # type: ignore[return-value]
 
     # -- allocation ---------------------------------------------------------------------------
     def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> np.ndarray:
         """A new array over workspace memory filled with ``fill_value``."""
+        fill = np.asarray(fill_value)
         if dtype is None:
-            dtype = np.array(fill_value).dtype
+            dtype = fill.dtype
         a = _rustws.WorkspaceCore.empty(self, shape, dtype, order)
-        a.fill(fill_value)
+        if fill.ndim == 0:
+            a.fill(fill_value)
+        else:
+            # As ``np.full``: an array fill value broadcasts to the shape.
+            np.copyto(a, fill, casting="unsafe")
         return a
 
     def empty_like(self, a: Any, dtype: Any = None) -> np.ndarray:
@@ -458,14 +465,9 @@ def workspaces() -> list[Workspace]:
     return [ws for ws in _registry().values() if not ws.is_destroyed]
 
 
-@contextlib.contextmanager
-def scope_out_of_workspaces() -> Iterator[None]:
+def scope_out_of_workspaces() -> contextlib.AbstractContextManager[None]:
     """Inside, no workspace is current and NumPy allocates with its default allocator."""
-    _rustws.push_scope(None, True, None)
-    try:
-        yield
-    finally:
-        _rustws.pop_scope(None)
+    return _rustws.Scope(None, True, None)  # type: ignore[return-value]
 
 
 def destroy_all_workspaces_for_current_thread() -> None:

@@ -1,6 +1,26 @@
 //! Memory sources under the one arena logic. A [`Backend`] hands out large regions (the arena) and
-//! individual blocks (spills and external allocations); adaptors such as [`LimitAdaptor`] wrap an
-//! explicit upstream backend, in the manner of RMM's `*_resource_adaptor`.
+//! individual blocks (spills and external allocations); adaptors such as [`LimitAdaptor`] and
+//! [`FaultAdaptor`] wrap an explicit upstream backend, in the manner of RMM's
+//! `*_resource_adaptor`.
+
+/// Under Miri, which runs no `madvise` or `sysconf`: advice is accepted and ignored (it is only
+/// advice) and pages are 4 KiB. Everything else is the real `libc`.
+#[cfg(miri)]
+mod libc {
+    pub use ::libc::*;
+
+    /// # Safety
+    /// None: nothing is done.
+    pub unsafe fn madvise(_addr: *mut c_void, _len: size_t, _advice: c_int) -> c_int {
+        0
+    }
+
+    /// # Safety
+    /// None: a constant is returned.
+    pub unsafe fn sysconf(_name: c_int) -> c_long {
+        4096
+    }
+}
 
 use std::alloc::{self, Layout};
 use std::fmt;
@@ -142,22 +162,35 @@ fn page_size() -> usize {
     }
 }
 
-/// Makes every page of a fresh mapping resident and writable.
-fn prefault(ptr: NonNull<u8>, len: usize) {
+/// Makes every page of a fresh mapping resident and writable. Only `EINVAL` (a kernel before
+/// 5.14, which does not know `MADV_POPULATE_WRITE`) falls back to touching each page; any other
+/// refusal (`ENOMEM` under a memory limit, `EFAULT` / `EIO` for a file without backing store) is
+/// an error: touching would turn it into the OOM killer or a `SIGBUS`.
+fn try_prefault(ptr: NonNull<u8>, len: usize) -> Result<(), String> {
     const MADV_POPULATE_WRITE: libc::c_int = 23;
     // SAFETY: [ptr, ptr+len) is one mapping we own; the advice only populates pages.
     let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_POPULATE_WRITE) };
-    if rc != 0 {
-        // Kernels before 5.14: write one byte per page. The mapping is zero-filled, so writing zero
-        // leaves its contents unchanged.
-        let page = page_size();
-        let mut off = 0;
-        while off < len {
-            // SAFETY: off < len, inside the mapping; volatile so the write is not elided.
-            unsafe { std::ptr::write_volatile(ptr.as_ptr().add(off), 0) };
-            off += page;
-        }
+    if rc == 0 {
+        return Ok(());
     }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() != Some(libc::EINVAL) {
+        return Err(format!("cannot make {len} bytes resident: {err}"));
+    }
+    // The mapping is zero-filled, so writing zero leaves its contents unchanged.
+    let page = page_size();
+    let mut off = 0;
+    while off < len {
+        // SAFETY: off < len, inside the mapping; volatile so the write is not elided.
+        unsafe { std::ptr::write_volatile(ptr.as_ptr().add(off), 0) };
+        off += page;
+    }
+    Ok(())
+}
+
+/// Prefaults where the system allows it; a refusal leaves the pages to fault in on first use.
+fn prefault(ptr: NonNull<u8>, len: usize) {
+    let _ = try_prefault(ptr, len);
 }
 
 fn mmap_checked(len: usize, prot: libc::c_int, flags: libc::c_int, fd: libc::c_int) -> Result<NonNull<u8>, String> {
@@ -291,8 +324,14 @@ fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, String> {
 
 /// Memory mapped from a file. Each region gets a file of its own, so regions never share pages:
 /// a folder `path` gets a new file per region, unlinked at once (it disappears with its
-/// mapping); a file `path` is used by one region at a time in the whole process (truncated and
-/// kept afterwards), and further regions get unlinked files beside it.
+/// mapping); a file `path` is used by one region at a time across every process (held with an
+/// exclusive `flock`, truncated and kept afterwards), and further regions get unlinked files
+/// beside it. A region's blocks are reserved on the file system when it is mapped
+/// (`posix_fallocate`), so a full file system is an error then, never a `SIGBUS` later.
+///
+/// After `fork()` the child's copies of the regions are made private (anonymous memory holding the
+/// same contents): a `MAP_SHARED` mapping would otherwise let the child and the parent carve,
+/// write and free the same blocks.
 #[derive(Debug)]
 pub struct FileMappedMemory {
     path: PathBuf,
@@ -305,8 +344,143 @@ static FILE_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// Named files mapped right now by any `FileMappedMemory` of this process.
 static NAMED_FILES_IN_USE: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
+/// Every file-backed region of this process, `(address, length)`, for the child side of `fork()`.
+/// A spin lock rather than a mutex: `fork()` takes it in its prepare handler and both sides release
+/// it, which a std mutex guard cannot express.
+struct SharedRegions {
+    busy: std::sync::atomic::AtomicBool,
+    regions: std::cell::UnsafeCell<Vec<(usize, usize)>>,
+}
+
+// SAFETY: `regions` is only reached through `with`, under `busy`.
+unsafe impl Sync for SharedRegions {}
+
+static SHARED_REGIONS: SharedRegions =
+    SharedRegions { busy: std::sync::atomic::AtomicBool::new(false), regions: std::cell::UnsafeCell::new(Vec::new()) };
+
+impl SharedRegions {
+    fn acquire(&self) {
+        while self.busy.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            std::hint::spin_loop();
+        }
+    }
+
+    fn release(&self) {
+        self.busy.store(false, Ordering::Release);
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Vec<(usize, usize)>) -> R) -> R {
+        self.acquire();
+        // SAFETY: `busy` is held, so this is the only reference to the vector.
+        let r = f(unsafe { &mut *self.regions.get() });
+        self.release();
+        r
+    }
+}
+
+extern "C" fn before_fork() {
+    SHARED_REGIONS.acquire();
+}
+
+extern "C" fn after_fork_in_parent() {
+    SHARED_REGIONS.release();
+}
+
+extern "C" fn after_fork_in_child() {
+    // SAFETY: `before_fork` acquired the lock in the thread that forked, the only thread of the
+    // child; the vector is not reached otherwise until `release`.
+    let regions = unsafe { &*SHARED_REGIONS.regions.get() };
+    for &(addr, len) in regions {
+        // SAFETY: each entry is a live mapping of ours (entries are removed before unmapping).
+        unsafe { privatize(addr as *mut libc::c_void, len) };
+    }
+    SHARED_REGIONS.release();
+}
+
+/// Replaces the shared mapping `[addr, addr + len)` with private anonymous memory holding the same
+/// contents. Where that is impossible (no memory for the copy), the region is made inaccessible:
+/// a child that touches it faults instead of corrupting its parent.
+///
+/// # Safety
+/// `[addr, addr + len)` is one whole mapping, and no other thread runs (the child of `fork()`).
+unsafe fn privatize(addr: *mut libc::c_void, len: usize) {
+    // SAFETY: a fresh private mapping at an address the kernel chooses.
+    let copy = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if copy == libc::MAP_FAILED {
+        // SAFETY: the caller guarantees this is one of our mappings.
+        unsafe { libc::mprotect(addr, len, libc::PROT_NONE) };
+        return;
+    }
+    // SAFETY: both are live mappings of `len` bytes and do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, copy as *mut u8, len) };
+    // SAFETY: moves the private copy over the shared mapping, which the kernel unmaps; same length.
+    let moved = unsafe { libc::mremap(copy, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, addr) };
+    if moved == libc::MAP_FAILED {
+        // SAFETY: `copy` is ours and unused; `addr` is the caller's mapping.
+        unsafe {
+            libc::munmap(copy, len);
+            libc::mprotect(addr, len, libc::PROT_NONE);
+        }
+    }
+}
+
+fn register_fork_handlers() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if cfg!(miri) {
+            return; // Miri runs no fork handlers (and no fork).
+        }
+        // SAFETY: the handlers are plain functions that neither allocate nor unwind.
+        unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_in_parent), Some(after_fork_in_child)) };
+    });
+}
+
+/// Whether `file` could be locked exclusively (`flock`); Err for failures other than "held".
+fn try_lock(file: &File) -> Result<bool, String> {
+    // SAFETY: a valid open descriptor; the lock lives with the open file description.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EWOULDBLOCK) => Ok(false),
+        // A file system without locks: the process-wide list still protects this process.
+        Some(libc::ENOLCK) | Some(libc::EOPNOTSUPP) => Ok(true),
+        _ => Err(format!("cannot lock: {err}")),
+    }
+}
+
+/// Reserves `len` bytes of `file` on its file system.
+fn reserve(file: &File, len: usize, path: &std::path::Path) -> Result<(), String> {
+    let len_off = libc::off_t::try_from(len).map_err(|_| format!("{len} bytes is too large a file"))?;
+    // SAFETY: a valid open descriptor; the call only sizes and allocates the file.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len_off) };
+    match rc {
+        0 => Ok(()),
+        // A file system that cannot reserve (and no emulation): a sparse file as before.
+        libc::EOPNOTSUPP | libc::EINVAL => {
+            file.set_len(len as u64).map_err(|e| format!("cannot size {} to {len} bytes: {e}", path.display()))
+        }
+        errno => Err(format!(
+            "cannot reserve {len} bytes for {}: {}",
+            path.display(),
+            std::io::Error::from_raw_os_error(errno)
+        )),
+    }
+}
+
 impl FileMappedMemory {
     pub fn new(path: impl Into<PathBuf>) -> Self {
+        register_fork_handlers();
         FileMappedMemory { path: path.into(), files: std::sync::Mutex::new(Vec::new()) }
     }
 
@@ -336,21 +510,28 @@ impl FileMappedMemory {
         let parent = std::fs::canonicalize(&parent).map_err(|e| format!("cannot use {}: {e}", parent.display()))?;
         let file_name = self.path.file_name().ok_or_else(|| format!("{} names no file", self.path.display()))?;
         let canonical = parent.join(file_name);
+        let stem = file_name.to_string_lossy().into_owned();
         let mut in_use = NAMED_FILES_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
         if in_use.contains(&canonical) {
             // Another region maps the named file: truncating or sharing it would clobber live
             // blocks, so this region gets a file of its own beside it.
             drop(in_use);
-            let stem = file_name.to_string_lossy().into_owned();
             return Ok((Self::unnamed_in(&parent, &stem)?, None));
         }
+        // Not truncated before the lock is ours: another process may map it.
         let f = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
-            .truncate(true)
+            .truncate(false)
             .open(&canonical)
             .map_err(|e| format!("cannot open {}: {e}", canonical.display()))?;
+        if !try_lock(&f).map_err(|e| format!("{}: {e}", canonical.display()))? {
+            // Another process maps the named file.
+            drop(in_use);
+            return Ok((Self::unnamed_in(&parent, &stem)?, None));
+        }
+        f.set_len(0).map_err(|e| format!("cannot truncate {}: {e}", canonical.display()))?;
         in_use.push(canonical.clone());
         Ok((f, Some(canonical)))
     }
@@ -369,21 +550,33 @@ impl Backend for FileMappedMemory {
     }
 
     fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, String> {
+        if len == 0 {
+            return Err("cannot map 0 bytes".to_string());
+        }
         let (file, name) = self.open()?;
-        let mapped = file
-            .set_len(len as u64)
-            .map_err(|e| format!("cannot size {} to {len} bytes: {e}", self.path.display()))
-            .and_then(|()| mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd()));
+        let shown = name.clone().unwrap_or_else(|| self.path.clone());
+        let mapped = reserve(&file, len, &shown)
+            .and_then(|()| mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd()))
+            .and_then(|ptr| {
+                if !prefault_now {
+                    return Ok(ptr);
+                }
+                try_prefault(ptr, len).map(|()| ptr).inspect_err(|_| {
+                    // SAFETY: mapped just above, never handed out.
+                    unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
+                })
+            });
         let ptr = match mapped {
             Ok(p) => p,
             Err(e) => {
+                if name.is_some() {
+                    let _ = file.set_len(0);
+                }
                 Self::release_name(name);
                 return Err(e);
             }
         };
-        if prefault_now {
-            prefault(ptr, len);
-        }
+        SHARED_REGIONS.with(|r| r.push((ptr.as_ptr() as usize, len)));
         self.files.lock().unwrap_or_else(|e| e.into_inner()).push((ptr.as_ptr() as usize, file, name));
         Ok(ptr)
     }
@@ -391,10 +584,12 @@ impl Backend for FileMappedMemory {
     /// # Safety
     /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+        let addr = ptr.as_ptr() as usize;
+        SHARED_REGIONS.with(|r| r.retain(|&(a, _)| a != addr));
         // SAFETY: the caller guarantees this is one whole mapping of ours, no longer used.
         unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = files.iter().position(|(p, ..)| *p == ptr.as_ptr() as usize) {
+        if let Some(i) = files.iter().position(|(p, ..)| *p == addr) {
             let (_, _, name) = files.swap_remove(i);
             Self::release_name(name);
         }
@@ -600,6 +795,140 @@ impl Backend for LimitAdaptor {
     }
 }
 
+/// Fails chosen calls of `map` and `alloc_block` on its upstream with the error the system would
+/// report (`ENOMEM`, `ENOSPC` ...): failure injection for tests. Calls are counted from 1 across
+/// both methods; [`FaultAdaptor::fail_nth`] fails one call, [`FaultAdaptor::fail_every`] every
+/// `n`th. `unmap`, `free_block` and the rest pass through.
+#[derive(Debug)]
+pub struct FaultAdaptor {
+    upstream: Arc<dyn Backend>,
+    /// Fail call `nth`, and with `every` each multiple of it.
+    nth: u64,
+    every: bool,
+    errno: i32,
+    calls: AtomicU64,
+    injected: AtomicU64,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+impl FaultAdaptor {
+    /// Fails call `n` (1-based) once, with `errno`.
+    pub fn fail_nth(upstream: Arc<dyn Backend>, n: u64, errno: i32) -> Self {
+        Self::build(upstream, n, false, errno)
+    }
+
+    /// Fails every `n`th call (n >= 1), with `errno`.
+    pub fn fail_every(upstream: Arc<dyn Backend>, n: u64, errno: i32) -> Self {
+        Self::build(upstream, n.max(1), true, errno)
+    }
+
+    fn build(upstream: Arc<dyn Backend>, nth: u64, every: bool, errno: i32) -> Self {
+        FaultAdaptor {
+            upstream,
+            nth,
+            every,
+            errno,
+            calls: AtomicU64::new(0),
+            injected: AtomicU64::new(0),
+            armed: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
+
+    /// Calls of `map` and `alloc_block` so far.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// Failures injected so far.
+    pub fn injected(&self) -> u64 {
+        self.injected.load(Ordering::Relaxed)
+    }
+
+    /// Stops (false) or resumes (true) injecting.
+    pub fn set_armed(&self, armed: bool) {
+        self.armed.store(armed, Ordering::Relaxed);
+    }
+
+    fn check(&self, what: &str, len: usize) -> Result<(), String> {
+        let k = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+        let hit = if self.every { k % self.nth == 0 } else { k == self.nth };
+        if hit && self.armed.load(Ordering::Relaxed) {
+            self.injected.fetch_add(1, Ordering::Relaxed);
+            return Err(format!(
+                "{what} of {len} bytes failed (injected at call {k}): {}",
+                std::io::Error::from_raw_os_error(self.errno)
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Backend for FaultAdaptor {
+    fn name(&self) -> &'static str {
+        "fault-injection"
+    }
+
+    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, String> {
+        self.check("map", len)?;
+        self.upstream.map(len, prefault_now)
+    }
+
+    /// # Safety
+    /// As for [`Backend::unmap`].
+    unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.unmap(ptr, len) }
+    }
+
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+        self.check("alloc_block", len)?;
+        self.upstream.alloc_block(len)
+    }
+
+    /// # Safety
+    /// As for [`Backend::free_block`].
+    unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.free_block(ptr, len) }
+    }
+
+    fn host_accessible(&self) -> bool {
+        self.upstream.host_accessible()
+    }
+
+    fn discard(&self, ptr: NonNull<u8>, len: usize) {
+        self.upstream.discard(ptr, len);
+    }
+
+    /// # Safety
+    /// As for [`Backend::zero`].
+    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.zero(ptr, len) }
+    }
+
+    /// # Safety
+    /// As for [`Backend::copy`].
+    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.copy(dst, src, len) }
+    }
+
+    /// # Safety
+    /// As for [`Backend::copy_to_host`].
+    unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.copy_to_host(dst, src, len) }
+    }
+
+    /// # Safety
+    /// As for [`Backend::copy_from_host`].
+    unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.upstream.copy_from_host(dst, src, len) }
+    }
+}
+
 /// Rounds `n` up to a multiple of the system page size.
 pub fn round_to_page(n: usize) -> usize {
     let p = page_size();
@@ -637,6 +966,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri maps no files")]
     fn every_host_backend_maps_zeroed_aligned_memory() {
         exercise(&AnonymousMemory);
         exercise(&HeapMemory);
@@ -647,6 +977,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri maps no files")]
     fn regions_from_one_named_file_never_share_pages() {
         let named = std::env::temp_dir().join(format!("rustws-shared-{}.bin", std::process::id()));
         let (a, b) = (FileMappedMemory::new(&named), FileMappedMemory::new(&named));
@@ -671,6 +1002,108 @@ mod tests {
         unsafe { a.unmap(again, len) };
         assert_eq!(std::fs::metadata(&named).unwrap().len() as usize, len);
         let _ = std::fs::remove_file(named);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri maps no files")]
+    fn a_named_file_locked_by_another_process_is_left_alone() {
+        let named = std::env::temp_dir().join(format!("rustws-locked-{}.bin", std::process::id()));
+        std::fs::write(&named, b"held by another process").unwrap();
+        // Another open file description holding the lock stands for another process.
+        let other = OpenOptions::new().read(true).write(true).open(&named).unwrap();
+        assert!(try_lock(&other).unwrap());
+        let b = FileMappedMemory::new(&named);
+        let len = round_to_page(1 << 16);
+        let p = b.map(len, true).unwrap();
+        // SAFETY: mapped above, `len` bytes.
+        unsafe { p.as_ptr().write_bytes(9, len) };
+        assert_eq!(std::fs::read(&named).unwrap(), b"held by another process");
+        // SAFETY: mapped above.
+        unsafe { b.unmap(p, len) };
+        drop(other); // the lock goes with the last descriptor: the next region gets the file
+        let q = b.map(len, false).unwrap();
+        assert_eq!(std::fs::metadata(&named).unwrap().len() as usize, len);
+        // SAFETY: mapped above.
+        unsafe { b.unmap(q, len) };
+        let _ = std::fs::remove_file(named);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri maps no files")]
+    fn a_file_region_is_reserved_on_the_file_system() {
+        let b = FileMappedMemory::new(std::env::temp_dir());
+        let len = round_to_page(1 << 20);
+        let p = b.map(len, false).unwrap();
+        let fd = b.files.lock().unwrap()[0].1.as_raw_fd();
+        // SAFETY: an all-zero `stat` is a valid output buffer for `fstat`.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid descriptor and buffer.
+        assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0);
+        assert!(st.st_blocks as usize * 512 >= len, "the file's blocks are allocated, not sparse");
+        // SAFETY: mapped above.
+        unsafe { b.unmap(p, len) };
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri maps no files")]
+    fn a_refused_prefault_is_an_error_not_a_touch() {
+        // Pages past the end of a file have no backing store: MADV_POPULATE_WRITE refuses them
+        // (EFAULT / EIO), and touching them would raise SIGBUS.
+        let page = page_size();
+        let probe = mmap_checked(page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1);
+        let probe = probe.unwrap();
+        // SAFETY: our fresh one-page mapping.
+        let known = unsafe { libc::madvise(probe.as_ptr().cast(), page, 23) } == 0;
+        // SAFETY: mapped above.
+        unsafe { libc::munmap(probe.as_ptr().cast(), page) };
+        if !known {
+            eprintln!("skipped: this kernel has no MADV_POPULATE_WRITE (before 5.14), so prefault touches pages");
+            return;
+        }
+        let f = FileMappedMemory::unnamed_in(&std::env::temp_dir(), "rustws-short").unwrap();
+        f.set_len(page as u64).unwrap();
+        let len = 4 * page;
+        let p = mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd()).unwrap();
+        let r = try_prefault(p, len);
+        // SAFETY: mapped above, never handed out.
+        unsafe { libc::munmap(p.as_ptr().cast(), len) };
+        assert!(r.is_err(), "a prefault past the end of the file succeeded");
+    }
+
+    #[test]
+    fn fault_adaptor_fails_the_chosen_calls_with_the_system_error() {
+        let once = FaultAdaptor::fail_nth(Arc::new(HeapMemory), 2, libc::ENOSPC);
+        let a = once.map(4096, false).unwrap();
+        let e = once.alloc_block(64).unwrap_err();
+        assert!(e.contains("No space left on device"), "{e}");
+        let b = once.alloc_block(64).unwrap();
+        assert_eq!((once.calls(), once.injected()), (3, 1));
+        // SAFETY: each released once, as allocated.
+        unsafe {
+            once.unmap(a, 4096);
+            once.free_block(b, 64);
+        }
+        let every = FaultAdaptor::fail_every(Arc::new(HeapMemory), 3, libc::ENOMEM);
+        let results: Vec<bool> = (0..6)
+            .map(|_| {
+                every
+                    .map(4096, false)
+                    .inspect(|p| {
+                        // SAFETY: mapped just now.
+                        unsafe { every.unmap(*p, 4096) }
+                    })
+                    .is_ok()
+            })
+            .collect();
+        assert_eq!(results, [true, true, false, true, true, false]);
+        every.set_armed(false);
+        assert!((0..3).all(|_| every
+            .alloc_block(8)
+            .map(|p| {
+                // SAFETY: allocated just now.
+                unsafe { every.free_block(p, 8) }
+            })
+            .is_ok()));
     }
 
     #[test]

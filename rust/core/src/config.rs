@@ -136,12 +136,32 @@ policy_enum!(
 impl DebugMode {
     /// The override from `RUSTWS_DEBUG_MODE` (`bypass` or `spill`), if set to a known value.
     pub fn from_env() -> Option<DebugMode> {
-        let v = std::env::var("RUSTWS_DEBUG_MODE").ok()?;
-        match v.trim().to_ascii_lowercase().as_str() {
-            "bypass" | "bypass_everything" => Some(DebugMode::BypassEverything),
-            "spill" | "spill_everything" => Some(DebugMode::SpillEverything),
-            "" | "disabled" | "off" | "none" => Some(DebugMode::Disabled),
-            _ => None,
+        DebugMode::env_override().ok().flatten()
+    }
+
+    /// The override from `RUSTWS_DEBUG_MODE`: None when unset, an error naming the variable when
+    /// it holds no debug mode (a typo must not silently leave workspaces on).
+    pub fn env_override() -> Result<Option<DebugMode>, Error> {
+        match std::env::var("RUSTWS_DEBUG_MODE") {
+            Ok(v) => DebugMode::parse_env(&v).map(Some),
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(v)) => {
+                Err(invalid("RUSTWS_DEBUG_MODE", format!("{v:?} is not text; expected bypass, spill or disabled")))
+            }
+        }
+    }
+
+    /// A value of `RUSTWS_DEBUG_MODE`: `bypass`, `spill`, `disabled` (or the mode's full name),
+    /// in any case; empty means disabled.
+    pub fn parse_env(value: &str) -> Result<DebugMode, Error> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "bypass" | "bypass_everything" => Ok(DebugMode::BypassEverything),
+            "spill" | "spill_everything" => Ok(DebugMode::SpillEverything),
+            "" | "disabled" | "off" | "none" => Ok(DebugMode::Disabled),
+            _ => Err(invalid(
+                "RUSTWS_DEBUG_MODE",
+                format!("{value:?} is not a debug mode; expected bypass, spill or disabled"),
+            )),
         }
     }
 }

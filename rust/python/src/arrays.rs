@@ -6,7 +6,7 @@ use numpy::npyffi::npy_intp;
 use numpy::{PyArrayDescr, PyArrayDescrMethods, PY_ARRAY_API};
 use pyo3::exceptions::{PyMemoryError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyInt, PyString, PyTuple};
+use pyo3::types::{PyBool, PyInt, PyString, PyTuple};
 use rustws_core::Error;
 use std::sync::atomic::Ordering;
 
@@ -17,8 +17,16 @@ fn type_name(v: &Bound<'_, PyAny>) -> String {
 }
 
 fn extract_dim(item: &Bound<'_, PyAny>) -> PyResult<npy_intp> {
+    // NumPy refuses bools as dimensions (`np.empty((True, 2))`), though they are ints.
+    if item.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err("shape entries must be ints, got bool"));
+    }
     item.extract::<npy_intp>()
         .map_err(|_| PyTypeError::new_err(format!("shape entries must be ints, got {}", type_name(item))))
+}
+
+fn not_a_shape(shape: &Bound<'_, PyAny>) -> PyErr {
+    PyTypeError::new_err(format!("shape must be an int or a sequence of ints, got {}", type_name(shape)))
 }
 
 /// The most dimensions an array may have (NumPy 2's limit; NumPy 1 refuses more than 32 itself).
@@ -58,24 +66,26 @@ fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
         }
         return Ok(dims);
     }
+    if shape.is_instance_of::<PyBool>() {
+        return Err(not_a_shape(shape));
+    }
     if shape.is_instance_of::<PyInt>() {
         dims.push(extract_dim(shape)?)?;
         return Ok(dims);
     }
     if shape.is_instance_of::<PyString>() || shape.is_instance_of::<pyo3::types::PyBytes>() {
-        return Err(PyTypeError::new_err(format!(
-            "shape must be an int or a sequence of ints, got {}",
-            type_name(shape)
-        )));
+        return Err(not_a_shape(shape));
     }
     if shape.hasattr("__index__")? && !shape.hasattr("__len__")? {
         dims.push(extract_dim(shape)?)?;
         return Ok(dims);
     }
-    let iter = shape.try_iter().map_err(|_| {
-        PyTypeError::new_err(format!("shape must be an int or a sequence of ints, got {}", type_name(shape)))
-    })?;
-    for item in iter {
+    // As NumPy: a sequence (a list, an array), never a dict, set or iterator.
+    // SAFETY: a live object; the check reads its type slots only.
+    if unsafe { pyo3::ffi::PySequence_Check(shape.as_ptr()) } != 1 {
+        return Err(not_a_shape(shape));
+    }
+    for item in shape.try_iter()? {
         dims.push(extract_dim(&item?)?)?;
     }
     Ok(dims)

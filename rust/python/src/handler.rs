@@ -214,10 +214,15 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
         unsafe { ffi::PyErr_Clear() };
         return;
     }
-    // SAFETY: the pointer came from `Box::into_raw` in `new_capsule` and this destructor runs once.
-    let handler = unsafe { Box::from_raw(ptr) };
-    // SAFETY: `ctx` holds the strong reference taken in `new_capsule`, released once here.
-    drop(unsafe { Arc::from_raw(handler.allocator.ctx as *const Shared) });
+    // Releasing the last reference drops the workspace (its regions are unmapped): nothing of that
+    // may unwind into the interpreter. A panic leaks what was left.
+    guarded((), || {
+        // SAFETY: the pointer came from `Box::into_raw` in `new_capsule` and this destructor runs
+        // once.
+        let handler = unsafe { Box::from_raw(ptr) };
+        // SAFETY: `ctx` holds the strong reference taken in `new_capsule`, released once here.
+        drop(unsafe { Arc::from_raw(handler.allocator.ctx as *const Shared) });
+    });
 }
 
 /// The `mem_handler` capsule of a workspace; its name is `rustws:<id>:<workspace name>`.
@@ -287,6 +292,31 @@ pub fn set_handler<'py>(py: Python<'py>, handler: Option<&Bound<'py, PyAny>>) ->
     let old = unsafe { f(arg) };
     // SAFETY: a new reference, or NULL with an exception set.
     unsafe { Bound::from_owned_ptr_or_err(py, old) }
+}
+
+/// NumPy's default handler capsule (the same object for the life of the process).
+pub fn default_handler(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static DEFAULT: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    DEFAULT
+        .get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+            let previous = set_handler(py, None)?;
+            let default = get_handler(py);
+            set_handler(py, Some(&previous))?;
+            Ok(default?.unbind())
+        })
+        .map(|h| h.bind(py))
+}
+
+/// The `PyDataMemHandler` a `mem_handler` capsule lends (null for anything else; no exception).
+pub fn lent_handler(capsule: &Bound<'_, PyAny>) -> *mut c_void {
+    // SAFETY: a live object; `PyCapsule_IsValid` sets no exception, and `GetPointer` is called only
+    // on a valid capsule of that name.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) != 1 {
+            return null_mut();
+        }
+        ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr())
+    }
 }
 
 /// `PyDataMem_GetHandler`: the handler current in this context.

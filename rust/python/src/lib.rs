@@ -50,10 +50,10 @@ pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
     }
 }
 
-/// `RUSTWS_DEBUG_MODE` as the core reads it (`None` when unset or unknown).
+/// `RUSTWS_DEBUG_MODE` as the core reads it (`None` when unset; `ValueError` when unknown).
 #[pyfunction]
-fn env_debug_mode() -> Option<&'static str> {
-    DebugMode::from_env().map(DebugMode::as_str)
+fn env_debug_mode(py: Python<'_>) -> PyResult<Option<&'static str>> {
+    DebugMode::env_override().map(|m| m.map(DebugMode::as_str)).map_err(|e| to_py(py, e))
 }
 
 /// Makes `handler` (a `mem_handler` capsule, or None for NumPy's default) current in this
@@ -164,17 +164,22 @@ fn push_scope(
         (true, None) => scope::Install::Default,
         (true, Some(h)) => scope::Install::Handler(h),
     };
-    scope::push(py, owner, how)?;
+    scope::push(py, owner, owner, how)?;
     if let Ok(ws) = owner.cast::<WorkspaceCore>() {
         ws.get().note_entered();
     }
     Ok(())
 }
 
-/// Pops the innermost scope, which must be `owner`'s (else `ScopeError`).
+/// Pops `owner`'s innermost scope; one that is not the innermost is unlinked with a
+/// `ResourceWarning`; `ScopeError` when `owner` has no scope in this context.
 #[pyfunction]
 fn pop_scope(py: Python<'_>, owner: &Bound<'_, PyAny>) -> PyResult<()> {
-    scope::pop(py, owner, || owner.cast::<WorkspaceCore>().is_ok_and(|w| w.get().entered_elsewhere()))
+    let elsewhere = || owner.cast::<WorkspaceCore>().is_ok_and(|w| w.get().entered_elsewhere());
+    if let scope::Popped::Unlinked(innermost) = scope::pop(py, owner, owner, elsewhere)? {
+        scope::warn_unlinked(py, &scope::describe(owner), &innermost)?;
+    }
+    Ok(())
 }
 
 /// The workspace of the innermost scope of this thread or task (None when there is none).
@@ -192,6 +197,8 @@ impl WorkspaceCore {
     #[new]
     #[pyo3(signature = (name, config, backend=None))]
     fn new(py: Python<'_>, name: &str, config: &Bound<'_, PyDict>, backend: Option<&str>) -> PyResult<Self> {
+        // A value of RUSTWS_DEBUG_MODE that names no mode must not silently leave workspaces on.
+        DebugMode::env_override().map_err(|e| to_py(py, e))?;
         let c = config_from_dict(config)?;
         let ordinal = |spec: &str| -> PyResult<usize> {
             spec.parse::<usize>()
@@ -324,7 +331,7 @@ impl WorkspaceCore {
         entered.map_err(|e| to_py(py, e))?;
         let capsule = me.capsule.bind(py);
         let how = if me.installs_handler() { scope::Install::Handler(capsule) } else { scope::Install::Keep };
-        if let Err(e) = scope::push(py, slf.as_any(), how) {
+        if let Err(e) = scope::push(py, slf.as_any(), slf.as_any(), how) {
             let _ = me.shared.lock().exit();
             return Err(e);
         }
@@ -332,8 +339,9 @@ impl WorkspaceCore {
         Ok(slf.clone())
     }
 
-    /// Closes the innermost scope; the outermost level ends the cycle. Reports refused
-    /// requests and escaped arrays through `_after_cycle` when there are any.
+    /// Closes this workspace's innermost scope; the outermost level ends the cycle. Reports
+    /// refused requests and escaped arrays through `_after_cycle` when there are any. A scope
+    /// that is not the innermost is unlinked and the exit warns (`ResourceWarning`).
     #[pyo3(signature = (exc_type=None, _exc=None, _tb=None))]
     fn __exit__(
         slf: &Bound<'_, Self>,
@@ -343,17 +351,19 @@ impl WorkspaceCore {
     ) -> PyResult<bool> {
         let py = slf.py();
         let me = slf.get();
-        scope::pop(py, slf.as_any(), || me.entered_elsewhere())?;
-        if me.shared.destroyed.load(Ordering::Relaxed) {
-            return Ok(false);
+        let popped = scope::pop(py, slf.as_any(), slf.as_any(), || me.entered_elsewhere())?;
+        if !me.shared.destroyed.load(Ordering::Relaxed) {
+            let exited = me.shared.lock().exit();
+            let r = exited.map_err(|e| to_py(py, e))?;
+            let failures = me.shared.has_failures.load(Ordering::Relaxed);
+            let leaked = r.completed && r.escaped_blocks > 0 && me.cycle_detector;
+            if failures || leaked {
+                let clean = exc_type.is_none_or(|t| t.is_none());
+                slf.call_method1("_after_cycle", (leaked && clean, r.escaped_blocks, r.escaped_bytes))?;
+            }
         }
-        let exited = me.shared.lock().exit();
-        let r = exited.map_err(|e| to_py(py, e))?;
-        let failures = me.shared.has_failures.load(Ordering::Relaxed);
-        let leaked = r.completed && r.escaped_blocks > 0 && me.cycle_detector;
-        if failures || leaked {
-            let clean = exc_type.is_none_or(|t| t.is_none());
-            slf.call_method1("_after_cycle", (leaked && clean, r.escaped_blocks, r.escaped_bytes))?;
+        if let scope::Popped::Unlinked(innermost) = popped {
+            scope::warn_unlinked(py, &scope::describe(slf.as_any()), &innermost)?;
         }
         Ok(false)
     }
@@ -394,7 +404,13 @@ impl WorkspaceCore {
         // SAFETY: `array` is a live ndarray and the layout of `ArrayFields` was checked.
         let f = unsafe { &*(array.as_ptr() as *const ArrayFields) };
         let Some(data) = std::ptr::NonNull::new(f.data.cast::<u8>()) else { return Ok(false) };
-        if f.mem_handler != self.capsule.as_ptr() || f.flags & NPY_ARRAY_OWNDATA == 0 {
+        if f.mem_handler.is_null() || f.flags & NPY_ARRAY_OWNDATA == 0 {
+            return Ok(false);
+        }
+        // The array's handler is this workspace's capsule, or a scope node lending its handler.
+        // SAFETY: a live array owns a strong reference to its handler.
+        let array_handler = unsafe { Bound::from_borrowed_ptr(py, f.mem_handler) };
+        if handler::lent_handler(&array_handler) != handler::lent_handler(self.capsule.bind(py)) {
             return Ok(false);
         }
         let ws = self.shared.lock();
@@ -475,6 +491,7 @@ impl WorkspaceCore {
 fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkspaceCore>()?;
     m.add_class::<DeviceBuffer>()?;
+    m.add_class::<scope::Scope>()?;
     m.add_function(wrap_pyfunction!(dlpack::dlpack_capsule, m)?)?;
     m.add_function(wrap_pyfunction!(device::torch_route, m)?)?;
     m.add_function(wrap_pyfunction!(device::torch_blocks, m)?)?;
@@ -489,7 +506,6 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(push_scope, m)?)?;
     m.add_function(wrap_pyfunction!(pop_scope, m)?)?;
     m.add_function(wrap_pyfunction!(current_workspace, m)?)?;
-    m.add("SCOPES", scope::scope_var(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HEADER_BYTES", Workspace::header_bytes())?;
     Ok(())

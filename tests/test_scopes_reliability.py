@@ -1,0 +1,259 @@
+"""Scopes under Python's control flow: out-of-order exits (a generator finalised while another
+scope is innermost), exceptions raised at any point of entering or leaving a scope (as a signal
+handler's ``KeyboardInterrupt`` can be), exiting twice, and a state machine over every kind of
+scope exited in any order."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import rustws
+from rustws import WorkspaceConfiguration, _rustws
+
+try:  # NumPy 2
+    from numpy._core.multiarray import get_handler_name
+except ImportError:  # NumPy 1.x
+    from numpy.core.multiarray import get_handler_name
+
+MiB = 1 << 20
+
+
+def serving(ws) -> bool:
+    """Whether NumPy's current handler is ``ws``'s (itself, or a scope lending it)."""
+    return get_handler_name() == f"rustws:{ws.id}:{ws.name}"
+
+
+def cfg(**kw):
+    return WorkspaceConfiguration(**{"initial_size": MiB, "policy_learning": "NONE", **kw})
+
+
+def test_a_generator_finalised_under_another_scope_leaves_nothing_open():
+    a = rustws.workspace("GEN-A", cfg())
+    b = rustws.workspace("GEN-B", cfg())
+    default = _rustws.get_handler()
+
+    def produce():
+        with a:
+            yield np.ones(3)
+
+    g = produce()
+    next(g)
+    with b:
+        with pytest.warns(ResourceWarning, match="'GEN-A' exited while workspace 'GEN-B'"):
+            del g  # closing the generator exits `a` while `b` is innermost
+        assert not a.is_open and a.depth == 0
+        assert rustws.current_workspace() is b
+        assert rustws.owner(np.ones(5) * 2) is b
+    assert rustws.current_workspace() is None
+    assert _rustws.get_handler() is default
+    assert rustws.owner(np.ones(5) * 2) is None  # `a` captures nothing any more
+
+
+def test_unlinking_a_scope_fixes_the_handler_the_scopes_above_restore():
+    a = rustws.workspace("FIX-A", cfg())
+    b = rustws.workspace("FIX-B", cfg(), capture=False)
+    default = _rustws.get_handler()
+    a.__enter__()
+    b.__enter__()  # does not capture: `a` still serves NumPy
+    assert serving(a)
+    with pytest.warns(ResourceWarning, match="unlinked"):
+        a.__exit__(None, None, None)
+    # No scope above `a` installs a handler: NumPy's default is back at once.
+    assert get_handler_name() == "default_allocator"
+    assert rustws.current_workspace() is b
+    b.__exit__(None, None, None)
+    assert _rustws.get_handler() is default
+
+    c = rustws.workspace("FIX-C", cfg())
+    a.__enter__()
+    c.__enter__()
+    with pytest.warns(ResourceWarning, match="unlinked"):
+        a.__exit__(None, None, None)
+    assert serving(c)
+    c.__exit__(None, None, None)  # restores what `a` had replaced, not `a`'s handler
+    assert _rustws.get_handler() is default
+    assert rustws.current_workspace() is None
+
+
+def test_a_second_exit_says_not_open():
+    ws = rustws.workspace("TWICE", cfg())
+    ws.__enter__()
+    ws.__exit__(None, None, None)
+    with pytest.raises(rustws.ScopeError, match=r"'TWICE' is not open"):
+        ws.__exit__(None, None, None)
+    s = rustws.scope_out_of_workspaces()
+    with s:
+        pass
+    with pytest.raises(rustws.ScopeError, match=r"scope_out_of_workspaces\(\) is not open"):
+        s.__exit__(None, None, None)
+
+
+def _interrupt_at_every_line(factory) -> list[int]:
+    """Runs ``with factory(): pass`` once per Python line it executes, raising
+    ``KeyboardInterrupt`` at that line; returns the runs that left a scope behind."""
+    default = _rustws.get_handler()
+    leaked = []
+    for n in range(1, 40):
+        count = 0
+
+        def tracer(frame, event, arg, n=n):
+            nonlocal count
+            if event == "line":
+                count += 1
+                if count == n:
+                    raise KeyboardInterrupt
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            with factory():
+                pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        if _rustws.current_workspace() is not None or _rustws.get_handler() is not default:
+            leaked.append(n)
+            _rustws.set_handler(default)
+    return leaked
+
+
+def test_an_exception_anywhere_in_scope_out_of_workspaces_leaves_no_scope():
+    assert _interrupt_at_every_line(rustws.scope_out_of_workspaces) == []
+
+
+def test_an_exception_anywhere_in_borrow_leaves_no_scope():
+    ws = rustws.workspace("ATOMIC", cfg())
+    assert _interrupt_at_every_line(ws.borrow) == []
+    assert not ws.is_open
+
+
+def test_an_exception_anywhere_in_a_cycle_leaves_no_scope():
+    ws = rustws.workspace("ATOMIC-CYCLE", cfg())
+    assert _interrupt_at_every_line(lambda: ws) == []
+    assert not ws.is_open and ws.depth == 0
+
+
+def test_borrow_and_scope_out_nest_and_restore():
+    ws = rustws.workspace("NEST", cfg())
+    default = _rustws.get_handler()
+    with ws.borrow() as w:
+        assert w is ws and rustws.current_workspace() is ws
+        assert rustws.owner(np.ones(4) + 1) is ws
+        with rustws.scope_out_of_workspaces() as nothing:
+            assert nothing is None and rustws.current_workspace() is None
+            assert rustws.owner(np.ones(4) + 1) is None
+        assert rustws.current_workspace() is ws
+    assert _rustws.get_handler() is default
+    assert not ws.is_open
+
+
+def test_a_borrow_exited_out_of_order_is_unlinked():
+    a = rustws.workspace("BOR-A", cfg())
+    b = rustws.workspace("BOR-B", cfg())
+    scope = a.borrow()
+    scope.__enter__()
+    with b, pytest.warns(ResourceWarning, match=r"borrow\(\) of workspace 'BOR-A'"):
+        scope.__exit__(None, None, None)
+    assert rustws.current_workspace() is None
+
+
+def test_scope_objects_refuse_a_bad_handler():
+    with pytest.raises(TypeError, match="handler"):
+        _rustws.Scope(None, True, "not a capsule")
+
+
+# -- a state machine over every kind of scope, exited in any order -----------------------------------
+
+KINDS = ("cycle", "borrow", "out")
+SPACES = {"CAP-A": True, "CAP-B": True, "QUIET": False}  # name -> capture
+
+
+class ScopeStack(RuleBasedStateMachine):
+    """Cycles, ``borrow()`` and ``scope_out_of_workspaces()`` entered in any nesting and exited in
+    any order. The model: the stack of entries; the innermost workspace is current; NumPy serves
+    from the innermost entry that installs a handler (a capturing cycle or borrow, or a
+    ``scope_out_of_workspaces``), else from its default; each workspace's depth counts its cycles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[tuple[str, rustws.Workspace | None, object]] = []
+
+    def space(self, name: str) -> rustws.Workspace:
+        return rustws.workspace(name, cfg(), capture=SPACES[name])
+
+    @precondition(lambda self: len(self.entries) < 8)
+    @rule(kind=st.sampled_from(KINDS), name=st.sampled_from(sorted(SPACES)))
+    def enter(self, kind, name):
+        ws = self.space(name)
+        if kind == "cycle":
+            ws.__enter__()
+            self.entries.append((kind, ws, ws))
+        elif kind == "borrow":
+            scope = ws.borrow()
+            scope.__enter__()
+            self.entries.append((kind, ws, scope))
+        else:
+            scope = rustws.scope_out_of_workspaces()
+            scope.__enter__()
+            self.entries.append((kind, None, scope))
+
+    @precondition(lambda self: self.entries)
+    @rule(data=st.data())
+    def exit_any(self, data):
+        i = data.draw(st.integers(0, len(self.entries) - 1))
+        kind, ws, key = self.entries[i]
+        # A cycle's exit takes its workspace's innermost cycle; a scope object is its own key.
+        j = max(k for k, e in enumerate(self.entries) if e[2] is key and e[0] == kind)
+        exiting = key if kind != "cycle" else ws
+        if j == len(self.entries) - 1:
+            exiting.__exit__(None, None, None)
+        else:
+            with pytest.warns(ResourceWarning, match="unlinked"):
+                exiting.__exit__(None, None, None)
+        del self.entries[j]
+
+    @rule()
+    def allocate(self):
+        a = np.ones(100) + 1
+        assert rustws.owner(a) is self.serving()
+
+    def serving(self) -> rustws.Workspace | None:
+        for kind, ws, _ in reversed(self.entries):
+            if kind == "out":
+                return None
+            if ws is not None and ws.capture:
+                return ws
+        return None
+
+    @invariant()
+    def the_model_holds(self):
+        top = self.entries[-1][1] if self.entries else None
+        assert rustws.current_workspace() is top
+        ws = self.serving()
+        if ws is None:
+            assert get_handler_name() == "default_allocator"
+        else:
+            assert serving(ws)
+        for name in SPACES:
+            w = rustws.get_workspace(name)
+            if w is not None:
+                assert w.depth == sum(1 for k, e, _ in self.entries if k == "cycle" and e is w)
+
+    def teardown(self):
+        while self.entries:
+            kind, ws, key = self.entries.pop()
+            (key if kind != "cycle" else ws).__exit__(None, None, None)
+        assert rustws.current_workspace() is None
+
+
+ScopeStack.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestScopeStack = ScopeStack.TestCase
