@@ -55,10 +55,26 @@ _local = threading.local()
 _BY_ID: weakref.WeakValueDictionary[int, Workspace] = weakref.WeakValueDictionary()
 
 
-def _registry() -> dict[str, Workspace]:
+class _Registry(dict[str, "Workspace"]):
+    """One thread's workspaces by name. It lives as long as its thread (in a ``threading.local``):
+    when the thread ends, the workspaces it left open or undestroyed are destroyed, so their
+    memory goes back to the system but for the pages under arrays that still live, whoever still
+    holds the workspace objects (arrays made in a cycle keep theirs)."""
+
+    __slots__ = ("__weakref__",)
+
+    def __del__(self) -> None:
+        for ws in list(self.values()):
+            try:
+                ws.destroy()
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+
+def _registry() -> _Registry:
     reg = getattr(_local, "workspaces", None)
     if reg is None:
-        reg = _local.workspaces = {}
+        reg = _local.workspaces = _Registry()
     return reg
 
 
@@ -73,7 +89,8 @@ class Workspace(_rustws.WorkspaceCore):
         self.config = config
         self.device = device
         self.capture = capture
-        self._registry: dict[str, Workspace] | None = None
+        # Weak: the registry (alive while its thread is) holds the workspace, not the reverse.
+        self._registry: weakref.ref[_Registry] | None = None
         self._traces: list[tuple[weakref.ref[Any], int, str]] = []
         self._traces_limit = 64
         if config.use_cycle_detector and os.environ.get("RUSTWS_TRACE") == "1":
@@ -163,7 +180,7 @@ class Workspace(_rustws.WorkspaceCore):
         if self.is_destroyed:
             return
         self._destroy()
-        reg = self._registry
+        reg = self._registry() if self._registry is not None else None
         if reg is not None and reg.get(self.name) is self:
             del reg[self.name]
         # ``owner`` still finds it while this object lives: its memory holds the remaining arrays.
@@ -436,7 +453,7 @@ def workspace(
         ws._setup(cfg, dev, capture)
     else:
         ws = _device_workspace(name, cfg, dev, ordinal, capture)
-    ws._registry = reg
+    ws._registry = weakref.ref(reg)
     reg[name] = ws
     _BY_ID[ws.id] = ws
     return ws
