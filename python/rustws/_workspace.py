@@ -65,10 +65,9 @@ class _Registry(dict[str, "Workspace"]):
 
     def __del__(self) -> None:
         for ws in list(self.values()):
-            try:
+            # At interpreter shutdown the modules it needs may be gone already.
+            with contextlib.suppress(Exception):
                 ws.destroy()
-            except Exception:  # pragma: no cover - interpreter shutdown
-                pass
 
 
 def _registry() -> _Registry:
