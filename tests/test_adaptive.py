@@ -162,3 +162,33 @@ def test_threads_that_end_without_destroy_return_their_arenas():
     # them (over 640 MiB). What remains is the C heap's per-thread arenas, which plain NumPy
     # keeps too (about 60 MiB here), and the pages under the escaped results.
     assert growth < 256 * MiB, f"ended threads keep {growth / MiB:.0f} MiB resident"
+
+
+def test_memory_returns_to_its_usual_footprint_after_one_large_cycle():
+    usual, after, grown, cap = _child(
+        """
+        ws = rustws.workspace("SHRINK")
+        x = np.ones(1 << 20, np.float32)  # 4 MB temporaries
+
+        def usual():
+            with ws:
+                a = x * 2
+                b = a + 1
+                np.tanh(b)
+
+        for _ in range(10):
+            usual()
+        before = rss()
+        with ws:  # one cycle ten times larger than the usual ones (32 MB arrays: not huge)
+            big = [np.ones(8 << 20, np.float32) * 2 for _ in range(10)]
+            del big
+        grown = ws.stats().capacity_bytes
+        for _ in range(30):
+            usual()
+        gc.collect()
+        print(before, rss(), grown, ws.stats().capacity_bytes)
+        """
+    )
+    assert grown > 10 * cap, "the large cycle grew the arena"
+    assert cap < 32 * MiB, "the arena shrank back"
+    assert after <= usual * 1.10, f"{after / MiB:.0f} MiB after, {usual / MiB:.0f} MiB usually"
