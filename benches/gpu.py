@@ -49,7 +49,7 @@ def interleaved(variants: dict[str, Any], rounds: int, calls: int) -> dict[str, 
 
 
 def bench_standin(rounds: int, n: int) -> dict[str, Any]:
-    from rustws._workspace import _standin_workspace
+    from rustws.cuda import _standin_workspace
 
     ws = _standin_workspace(
         "BENCH", rustws.WorkspaceConfiguration(initial_size="64MiB", policy_mirroring="DISABLED")

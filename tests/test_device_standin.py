@@ -23,7 +23,7 @@ from rustws import (
     WorkspaceOutOfMemory,
     _rustws,
 )
-from rustws._workspace import _standin_workspace
+from rustws.cuda import _standin_workspace
 
 CFG = WorkspaceConfiguration(initial_size="1MiB", policy_mirroring="DISABLED")
 
@@ -222,7 +222,7 @@ def test_device_workspaces_never_capture_numpy():
         assert rustws.owner(h) is None
         assert rustws.current_workspace() is ws
         with pytest.raises(TypeError, match="device memory"):
-            _rustws.WorkspaceCore.empty(ws, 3)
+            ws._ndarray(3)  # NumPy arrays never live in device memory
     previous = _rustws.set_handler(ws.handler)
     try:
         with pytest.raises(MemoryError):

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .cuda import _gpu_ordinal
+
 __all__ = ["allocator"]
 
 
@@ -29,8 +31,6 @@ def _cupy() -> Any:
 
 def allocator(ws: Any) -> Callable[[int], Any]:
     """An allocator for ``cupy.cuda.set_allocator`` (and ``cupy.cuda.using_allocator``)."""
-    from .cuda import _gpu_ordinal
-
     ordinal = _gpu_ordinal(ws, "rustws.cupy.allocator")
     cupy = _cupy()
     unowned = cupy.cuda.memory.UnownedMemory
