@@ -10,8 +10,8 @@
 //! running: it is the per-call cost of a device allocation.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 use numpy::npyffi::npy_intp;
 use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods, PY_ARRAY_API};
@@ -42,25 +42,76 @@ pub(crate) struct DisposeCounters {
     live: AtomicI64,
 }
 
+/// Adds `by` to a counter. Every update happens with the GIL held (array creation, `dispose`,
+/// deallocation, the statistics' setters), which orders them: a plain load and store do, without
+/// the cost of a locked read-modify-write on every array.
+fn bump(counter: &AtomicI64, by: i64) {
+    counter.store(counter.load(Ordering::Relaxed) + by, Ordering::Relaxed);
+}
+
 struct DisposeThread {
+    /// Names the thread in [`THREADS`] and in the arrays it creates.
+    id: u64,
     counters: Arc<DisposeCounters>,
     /// Open dispose scopes, innermost last.
     chain: Vec<Py<PyAny>>,
 }
 
-thread_local! {
-    static DISPOSE: RefCell<DisposeThread> =
-        RefCell::new(DisposeThread { counters: Arc::new(DisposeCounters::default()), chain: Vec::new() });
+/// Every live thread's counters, for arrays that die on a thread other than their creator's
+/// (rare: an array only names its creator, so the common path takes no reference count).
+static THREADS: Mutex<Vec<(u64, Weak<DisposeCounters>)>> = Mutex::new(Vec::new());
+static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
+
+impl DisposeThread {
+    fn new() -> Self {
+        let id = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+        let counters = Arc::new(DisposeCounters::default());
+        let mut threads = THREADS.lock().unwrap_or_else(|e| e.into_inner());
+        threads.retain(|(_, w)| w.strong_count() > 0);
+        threads.push((id, Arc::downgrade(&counters)));
+        DisposeThread { id, counters, chain: Vec::new() }
+    }
 }
 
-/// This thread's counters and innermost scope.
-fn dispose_state(py: Python<'_>) -> (Arc<DisposeCounters>, Option<Py<PyAny>>) {
+thread_local! {
+    static DISPOSE: RefCell<DisposeThread> = RefCell::new(DisposeThread::new());
+}
+
+/// This thread's id and innermost scope.
+fn dispose_state(py: Python<'_>) -> (u64, Option<Py<PyAny>>) {
     DISPOSE
         .try_with(|d| {
             let d = d.borrow();
-            (d.counters.clone(), d.chain.last().map(|s| s.clone_ref(py)))
+            (d.id, d.chain.last().map(|s| s.clone_ref(py)))
         })
-        .unwrap_or_else(|_| (Arc::new(DisposeCounters::default()), None))
+        .unwrap_or((0, None))
+}
+
+/// Runs `f` on the counters of thread `id` (nothing when that thread has ended).
+fn with_counters(id: u64, f: impl FnOnce(&DisposeCounters)) {
+    let mut f = Some(f);
+    let mine = DISPOSE.try_with(|d| {
+        let d = d.borrow();
+        if d.id == id {
+            if let Some(f) = f.take() {
+                f(&d.counters);
+            }
+        }
+    });
+    let Some(f) = f else { return };
+    if mine.is_err() || id == 0 {
+        return;
+    }
+    let other =
+        THREADS.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|(t, _)| *t == id).and_then(|(_, w)| w.upgrade());
+    if let Some(c) = other {
+        f(&c);
+    }
+}
+
+/// Runs `f` on this thread's counters, without taking a reference count.
+fn with_my_counters(f: impl FnOnce(&DisposeCounters)) {
+    let _ = DISPOSE.try_with(|d| f(&d.borrow().counters));
 }
 
 /// Counters of dispose scopes for one thread: arrays created in and outside scopes, disposed in
@@ -178,7 +229,9 @@ impl DisposeStatistics {
 /// This thread's dispose counters (a live view).
 #[pyfunction]
 pub(crate) fn dispose_statistics(py: Python<'_>) -> DisposeStatistics {
-    DisposeStatistics { counters: dispose_state(py).0 }
+    let _ = py;
+    let counters = DISPOSE.try_with(|d| d.borrow().counters.clone()).unwrap_or_default();
+    DisposeStatistics { counters }
 }
 
 /// Makes `scope` this thread's innermost dispose scope.
@@ -218,6 +271,35 @@ pub(crate) struct DeviceSide {
     pub(crate) on_device: bool,
 }
 
+/// The block under a device-memory array: its own until a DLPack export shares it.
+enum Held {
+    None,
+    Own(Block),
+    Shared(Arc<Block>),
+}
+
+impl Held {
+    fn get(&self) -> Option<&Block> {
+        match self {
+            Held::None => None,
+            Held::Own(b) => Some(b),
+            Held::Shared(b) => Some(b),
+        }
+    }
+
+    /// The block as shared ownership (for an export that outlives the array).
+    fn share(&mut self) -> Option<Arc<Block>> {
+        if let Held::Own(_) = self {
+            let Held::Own(b) = std::mem::replace(self, Held::None) else { unreachable!() };
+            *self = Held::Shared(Arc::new(b));
+        }
+        match self {
+            Held::Shared(b) => Some(b.clone()),
+            _ => None,
+        }
+    }
+}
+
 /// An array of a device workspace.
 ///
 /// Over device memory it exposes `__cuda_array_interface__` and `__dlpack__` (a CUDA device); in
@@ -226,7 +308,7 @@ pub(crate) struct DeviceSide {
 /// NumPy is refused: use `to_numpy()`.
 #[pyclass(module = "rustws._rustws", weakref)]
 pub(crate) struct DeviceArray {
-    block: Option<Arc<Block>>,
+    block: Held,
     host: Option<Py<PyAny>>,
     mirror: Option<Py<PyAny>>,
     workspace: Py<PyAny>,
@@ -244,13 +326,14 @@ pub(crate) struct DeviceArray {
     /// The dispose scope holding the array (set by the scope).
     #[pyo3(get, set, name = "_scope")]
     scope: Option<Py<PyAny>>,
-    stats: Arc<DisposeCounters>,
+    /// The thread that created the array (its dispose counters count it).
+    thread: u64,
 }
 
 impl Drop for DeviceArray {
     fn drop(&mut self) {
         if !self.disposed {
-            self.stats.live.fetch_sub(1, Ordering::Relaxed);
+            with_counters(self.thread, |c| bump(&c.live, -1));
         }
     }
 }
@@ -265,17 +348,14 @@ fn numpy(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
 
 /// Registers a new array with this thread's dispose statistics and innermost scope.
 fn register<'py>(py: Python<'py>, array: DeviceArray, scope: Option<Py<PyAny>>) -> PyResult<Bound<'py, DeviceArray>> {
-    let stats = array.stats.clone();
     let obj = Bound::new(py, array)?;
-    stats.live.fetch_add(1, Ordering::Relaxed);
-    match scope {
-        Some(scope) => {
-            stats.created_in_scope.fetch_add(1, Ordering::Relaxed);
-            scope.bind(py).call_method1("_give", (&obj,))?;
-        }
-        None => {
-            stats.created_outside_scope.fetch_add(1, Ordering::Relaxed);
-        }
+    let scoped = scope.is_some();
+    with_my_counters(|c| {
+        bump(&c.live, 1);
+        bump(if scoped { &c.created_in_scope } else { &c.created_outside_scope }, 1);
+    });
+    if let Some(scope) = scope {
+        scope.bind(py).call_method1("_give", (&obj,))?;
     }
     Ok(obj)
 }
@@ -294,12 +374,20 @@ fn shape_tuple<'py>(py: Python<'py>, shape: &Bound<'py, PyAny>) -> PyResult<(Bou
         Ok(n)
     };
     if let Ok(t) = shape.cast_exact::<PyTuple>() {
-        if t.iter().all(|d| d.is_exact_instance_of::<PyInt>()) {
-            let mut dims = Vec::with_capacity(t.len());
-            for d in t.iter() {
-                dims.push(d.extract::<isize>()?);
+        let mut n: usize = 1;
+        let mut plain = true;
+        for d in t.iter_borrowed() {
+            if !d.is_exact_instance_of::<PyInt>() {
+                plain = false;
+                break;
             }
-            let n = count(&mut dims.into_iter())?;
+            let d = d.extract::<isize>()?;
+            if d < 0 {
+                return Err(PyValueError::new_err("negative dimensions are not allowed"));
+            }
+            n = n.checked_mul(d as usize).ok_or_else(|| PyValueError::new_err("array is too big"))?;
+        }
+        if plain {
             return Ok((t.clone(), n));
         }
     }
@@ -405,9 +493,9 @@ impl DeviceArray {
         }
     }
 
-    fn block(&self, py: Python<'_>) -> PyResult<&Arc<Block>> {
+    fn block(&self, py: Python<'_>) -> PyResult<&Block> {
         self.check(py)?;
-        self.block.as_ref().ok_or_else(|| disposed_error(py))
+        self.block.get().ok_or_else(|| disposed_error(py))
     }
 
     fn dims(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
@@ -598,7 +686,7 @@ impl DeviceArray {
     #[getter]
     fn __cuda_array_interface__<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.check(py)?;
-        let Some(block) = &self.block else {
+        let Some(block) = self.block.get() else {
             return Err(PyAttributeError::new_err("a DeviceArray over host memory has no __cuda_array_interface__"));
         };
         if self.host.is_some() {
@@ -652,14 +740,14 @@ impl DeviceArray {
 
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
-        &self,
+        &mut self,
         py: Python<'py>,
         stream: Option<&Bound<'py, PyAny>>,
         max_version: Option<&Bound<'py, PyAny>>,
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        if self.host.is_some() || self.disposed || self.block.is_none() {
+        if self.host.is_some() || self.disposed || self.block.get().is_none() {
             return self.host_dlpack(py, stream, max_version, dl_device, copy).map(Bound::unbind);
         }
         if let Some(d) = dl_device {
@@ -699,10 +787,11 @@ impl DeviceArray {
                 }
             }
         };
-        let mut block = self.block(py)?.clone();
+        self.check(py)?;
+        let mut block = self.block.share().ok_or_else(|| disposed_error(py))?;
         let mut copied = false;
         if copy == Some(true) {
-            let fresh = Block::new(&block.shared, &block.memory, block.nbytes, false).map_err(|e| to_py(py, e))?;
+            let fresh = Block::new(&block.memory, block.nbytes, false).map_err(|e| to_py(py, e))?;
             fresh.copy_from(&block, block.nbytes)?;
             block = Arc::new(fresh);
             copied = true;
@@ -841,7 +930,7 @@ impl DeviceArray {
     /// through `__cuda_array_interface__` keeps its memory until the object itself dies.
     fn dispose(slf: &Bound<'_, Self>) -> PyResult<()> {
         let py = slf.py();
-        let (scope, stats, released) = {
+        let (scope, thread, released) = {
             let mut me = slf.borrow_mut();
             if me.disposed {
                 return Ok(());
@@ -849,20 +938,18 @@ impl DeviceArray {
             me.disposed = true;
             let host = me.host.take();
             let mirror = me.mirror.take();
-            let block = if me.exported { None } else { me.block.take() };
-            (me.scope.take(), me.stats.clone(), (host, mirror, block))
+            let block = if me.exported { Held::None } else { std::mem::replace(&mut me.block, Held::None) };
+            (me.scope.take(), me.thread, (host, mirror, block))
         };
         drop(released); // outside the borrow: releasing may run Python (a mirror's finaliser)
-        stats.live.fetch_sub(1, Ordering::Relaxed);
-        match scope {
-            Some(scope) => {
-                stats.disposed_in_scope.fetch_add(1, Ordering::Relaxed);
-                let arrays = scope.bind(py).getattr("_arrays")?;
-                arrays.call_method1("pop", (slf.as_ptr() as usize, py.None()))?;
-            }
-            None => {
-                stats.disposed_outside_scope.fetch_add(1, Ordering::Relaxed);
-            }
+        let scoped = scope.is_some();
+        with_counters(thread, |c| {
+            bump(&c.live, -1);
+            bump(if scoped { &c.disposed_in_scope } else { &c.disposed_outside_scope }, 1);
+        });
+        if let Some(scope) = scope {
+            let arrays = scope.bind(py).getattr("_arrays")?;
+            arrays.call_method1("pop", (slf.as_ptr() as usize, py.None()))?;
         }
         Ok(())
     }
@@ -880,9 +967,9 @@ pub(crate) fn wrap_host<'py>(
     let Ok(a) = host.cast::<PyUntypedArray>() else {
         return Err(PyTypeError::new_err(format!("DeviceArray wraps an ndarray, got {}", host.get_type().name()?)));
     };
-    let (counters, scope) = dispose_state(py);
+    let (thread, scope) = dispose_state(py);
     let array = DeviceArray {
-        block: None,
+        block: Held::None,
         host: Some(host.clone().unbind()),
         mirror: None,
         workspace: workspace.clone().unbind(),
@@ -896,7 +983,7 @@ pub(crate) fn wrap_host<'py>(
         exported: false,
         disposed: false,
         scope: None,
-        stats: counters,
+        thread,
     };
     register(py, array, scope)
 }
@@ -920,7 +1007,7 @@ impl WorkspaceCore {
         }
         let (shape, size) = shape_tuple(py, shape)?;
         let descr = match dtype {
-            Some(d) if d.is_exact_instance_of::<PyArrayDescr>() => {
+            Some(d) if d.is_instance_of::<PyArrayDescr>() => {
                 let d = d.cast::<PyArrayDescr>()?.clone();
                 if d.has_object() {
                     return extract_descr(py, Some(d.as_any())).map(Bound::into_any);
@@ -940,9 +1027,9 @@ impl WorkspaceCore {
             return Err(to_py(py, rustws_core::Error::Destroyed { workspace: me.shared.name.clone() }));
         }
         let block = me.new_block(py, nbytes, zeroed)?;
-        let (counters, scope) = dispose_state(py);
+        let (thread, scope) = dispose_state(py);
         let array = DeviceArray {
-            block: Some(Arc::new(block)),
+            block: Held::Own(block),
             host: None,
             mirror: None,
             workspace: slf.clone().into_any().unbind(),
@@ -956,7 +1043,7 @@ impl WorkspaceCore {
             exported: false,
             disposed: false,
             scope: None,
-            stats: counters,
+            thread,
         };
         register(py, array, scope).map(Bound::into_any)
     }

@@ -120,10 +120,10 @@ impl Drop for PendingReleases {
     }
 }
 
-/// The memory source of a workspace and, for CUDA devices, the device itself (for stream
-/// ordering and memory queries).
-#[derive(Clone)]
+/// The memory of a workspace: the workspace itself, its backend and, for CUDA devices, the
+/// device (for stream ordering and memory queries). Shared by the workspace and its blocks.
 pub(crate) struct Memory {
+    pub(crate) shared: Arc<Shared>,
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) cuda: Option<Arc<CudaMemory>>,
     /// A backend whose driver releases wait for [`reclaim`].
@@ -132,18 +132,32 @@ pub(crate) struct Memory {
     pub(crate) pending: Option<Arc<PendingReleases>>,
 }
 
-impl Memory {
+/// What a workspace's memory is, before the workspace exists (see [`Memory`]).
+pub(crate) struct Source {
+    pub(crate) backend: Arc<dyn Backend>,
+    cuda: Option<Arc<CudaMemory>>,
+    deferred: Option<Arc<dyn DeferredRelease>>,
+}
+
+impl Source {
     pub(crate) fn host(backend: Arc<dyn Backend>) -> Self {
-        Memory { backend, cuda: None, deferred: None, pending: None }
+        Source { backend, cuda: None, deferred: None }
     }
 
     pub(crate) fn cuda(gpu: Arc<CudaMemory>) -> Self {
-        let pending = PendingReleases { cuda: gpu.clone(), list: Mutex::new(Vec::new()), any: AtomicBool::new(false) };
-        Memory { backend: gpu.clone(), cuda: Some(gpu.clone()), deferred: Some(gpu), pending: Some(Arc::new(pending)) }
+        Source { backend: gpu.clone(), cuda: Some(gpu.clone()), deferred: Some(gpu) }
     }
 
     pub(crate) fn with_deferred(backend: Arc<dyn Backend>, deferred: Arc<dyn DeferredRelease>) -> Self {
-        Memory { backend, cuda: None, deferred: Some(deferred), pending: None }
+        Source { backend, cuda: None, deferred: Some(deferred) }
+    }
+
+    /// The memory of the workspace `shared` over this source.
+    pub(crate) fn into_memory(self, shared: Arc<Shared>) -> Arc<Memory> {
+        let pending = self.cuda.as_ref().map(|gpu| {
+            Arc::new(PendingReleases { cuda: gpu.clone(), list: Mutex::new(Vec::new()), any: AtomicBool::new(false) })
+        });
+        Arc::new(Memory { shared, backend: self.backend, cuda: self.cuda, deferred: self.deferred, pending })
     }
 }
 
@@ -157,8 +171,9 @@ pub(crate) fn reclaim(memory: &Memory) {
     }
 }
 
-/// Allocates `nbytes` at [`DEVICE_ALIGN`] from `shared`; returns (block, aligned pointer).
-pub(crate) fn alloc_aligned(shared: &Shared, memory: &Memory, nbytes: usize) -> Result<(NonNull<u8>, usize), Error> {
+/// Allocates `nbytes` at [`DEVICE_ALIGN`] from the workspace; returns (block, aligned pointer).
+pub(crate) fn alloc_aligned(memory: &Memory, nbytes: usize) -> Result<(NonNull<u8>, usize), Error> {
+    let shared = &memory.shared;
     let request = nbytes.max(1).checked_add(SLACK).ok_or_else(|| Error::OutOfMemory {
         workspace: shared.name.clone(),
         requested: nbytes as u64,
@@ -193,8 +208,7 @@ pub(crate) fn alloc_aligned(shared: &Shared, memory: &Memory, nbytes: usize) -> 
 
 /// One block of a workspace at [`DEVICE_ALIGN`], given back when the last owner drops it.
 pub(crate) struct Block {
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) memory: Memory,
+    pub(crate) memory: Arc<Memory>,
     /// The workspace block (freed on drop).
     raw: usize,
     pub(crate) ptr: usize,
@@ -210,7 +224,7 @@ impl Drop for Block {
             let events: Result<Vec<_>, _> = streams.iter().map(|&s| cuda.record_release(s)).collect();
             match events {
                 Ok(events) => {
-                    pending.push(PendingRelease { shared: self.shared.clone(), raw: self.raw, events });
+                    pending.push(PendingRelease { shared: self.memory.shared.clone(), raw: self.raw, events });
                     return;
                 }
                 // No event: the stream's work cannot be followed, so wait for the device.
@@ -222,7 +236,7 @@ impl Drop for Block {
         if let Some(p) = NonNull::new(self.raw as *mut u8) {
             // SAFETY: `raw` is a live block of this workspace, allocated in `Block::new` and freed
             // only here.
-            unsafe { self.shared.lock().free(p) };
+            unsafe { self.memory.shared.lock().free(p) };
         }
         reclaim(&self.memory);
     }
@@ -238,16 +252,10 @@ fn cudarc_sync(cuda: &CudaMemory) -> Result<(), String> {
 
 impl Block {
     /// A new block of `nbytes` from the workspace, zero-filled when `zeroed`.
-    pub(crate) fn new(shared: &Arc<Shared>, memory: &Memory, nbytes: usize, zeroed: bool) -> Result<Self, Error> {
-        let (raw, ptr) = alloc_aligned(shared, memory, nbytes)?;
-        let block = Block {
-            shared: shared.clone(),
-            memory: memory.clone(),
-            raw: raw.as_ptr() as usize,
-            ptr,
-            nbytes,
-            streams: Mutex::new(Vec::new()),
-        };
+    pub(crate) fn new(memory: &Arc<Memory>, nbytes: usize, zeroed: bool) -> Result<Self, Error> {
+        let (raw, ptr) = alloc_aligned(memory, nbytes)?;
+        let block =
+            Block { memory: memory.clone(), raw: raw.as_ptr() as usize, ptr, nbytes, streams: Mutex::new(Vec::new()) };
         if zeroed && nbytes > 0 {
             // SAFETY: the block's `nbytes` bytes lie in the workspace block just allocated.
             unsafe { memory.backend.zero(block.at(), nbytes) };
@@ -402,7 +410,7 @@ impl DeviceBuffer {
     fn __repr__(&self) -> String {
         format!(
             "<DeviceBuffer {} bytes at {:#x} of workspace {:?}>",
-            self.block.nbytes, self.block.ptr, self.block.shared.name
+            self.block.nbytes, self.block.ptr, self.block.memory.shared.name
         )
     }
 }
@@ -410,7 +418,7 @@ impl DeviceBuffer {
 impl WorkspaceCore {
     /// A new block of `nbytes` from this workspace, zero-filled when `zeroed`.
     pub(crate) fn new_block(&self, py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<Block> {
-        Block::new(&self.shared, &self.memory, nbytes, zeroed).map_err(|e| to_py(py, e))
+        Block::new(&self.memory, nbytes, zeroed).map_err(|e| to_py(py, e))
     }
 }
 
@@ -420,7 +428,7 @@ thread_local! {
     /// The workspace this thread's PyTorch allocations go to, and the device it serves. PyTorch
     /// calls the allocator on the thread that allocates, and `use_mem_pool` routes only that
     /// thread's allocations to the pool, so the route is per thread too.
-    static TORCH_TARGET: std::cell::RefCell<Option<(Arc<Shared>, Memory, i32)>> = const { std::cell::RefCell::new(None) };
+    static TORCH_TARGET: std::cell::RefCell<Option<(Arc<Memory>, i32)>> = const { std::cell::RefCell::new(None) };
 }
 
 /// Blocks handed to PyTorch, by the pointer it got.
@@ -436,7 +444,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[pyfunction]
 #[pyo3(signature = (workspace, ordinal=0))]
 pub(crate) fn torch_route(workspace: Option<&Bound<'_, WorkspaceCore>>, ordinal: i32) {
-    let target = workspace.map(|w| (w.get().shared.clone(), w.get().memory.clone(), ordinal));
+    let target = workspace.map(|w| (w.get().memory.clone(), ordinal));
     TORCH_TARGET.with(|t| *t.borrow_mut() = target);
 }
 
@@ -455,20 +463,20 @@ pub(crate) fn torch_blocks() -> (usize, usize) {
 #[no_mangle]
 pub extern "C" fn rustws_torch_malloc(size: isize, device: c_int, _stream: *mut c_void) -> *mut c_void {
     catch_unwind(AssertUnwindSafe(|| {
-        let Some((shared, memory, ordinal)) = TORCH_TARGET.try_with(|t| t.borrow().clone()).ok().flatten() else {
+        let Some((memory, ordinal)) = TORCH_TARGET.try_with(|t| t.borrow().clone()).ok().flatten() else {
             return std::ptr::null_mut();
         };
         if device != ordinal || size < 0 {
             return std::ptr::null_mut();
         }
-        match Block::new(&shared, &memory, size as usize, false) {
+        match Block::new(&memory, size as usize, false) {
             Ok(block) => {
                 let ptr = block.ptr;
                 lock(&TORCH_BLOCKS).get_or_insert_with(HashMap::new).insert(ptr, block);
                 ptr as *mut c_void
             }
             Err(_) => {
-                shared.lock().record_failure();
+                memory.shared.lock().record_failure();
                 std::ptr::null_mut()
             }
         }

@@ -26,7 +26,7 @@ use rustws_core::{
 use arrays::{direct_arrays_supported, ArrayFields, NPY_ARRAY_OWNDATA};
 use config::{config_from_dict, parse_size, validate_config};
 use devarray::{DeviceArray, DeviceSide, DisposeStatistics};
-use device::{reclaim, DeviceBuffer, Memory};
+use device::{reclaim, DeviceBuffer, Memory, Source};
 use handler::Shared;
 
 /// Raises the Python exception class `name` of `rustws._errors`.
@@ -122,7 +122,7 @@ struct WorkspaceCore {
     /// `use_cycle_detector`: report arrays that outlive their cycle.
     cycle_detector: bool,
     /// Where the memory comes from (and the CUDA device, for device workspaces).
-    pub(crate) memory: Memory,
+    pub(crate) memory: Arc<Memory>,
     /// Set once for device workspaces: their `empty` / `zeros` return `DeviceArray`s.
     device: std::sync::OnceLock<DeviceSide>,
 }
@@ -191,34 +191,35 @@ impl WorkspaceCore {
             spec.parse::<usize>()
                 .map_err(|_| PyValueError::new_err(format!("invalid backend {backend:?}: bad ordinal")))
         };
-        let (ws, memory) = match backend {
+        let (ws, source) = match backend {
             None => {
                 let ws = Workspace::new(name, c).map_err(|e| to_py(py, e))?;
-                let memory = Memory::host(ws.backend().clone());
-                (ws, memory)
+                let source = Source::host(ws.backend().clone());
+                (ws, source)
             }
             Some(spec) => {
-                let memory = if spec == "standin" {
-                    Memory::host(Arc::new(OpaqueMemory))
+                let source = if spec == "standin" {
+                    Source::host(Arc::new(OpaqueMemory))
                 } else if let Some(n) = spec.strip_prefix("cuda:") {
-                    Memory::cuda(Arc::new(CudaMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?))
+                    Source::cuda(Arc::new(CudaMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?))
                 } else if let Some(n) = spec.strip_prefix("pinned:") {
                     let pinned = Arc::new(PinnedHostMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?);
-                    Memory::with_deferred(pinned.clone(), pinned)
+                    Source::with_deferred(pinned.clone(), pinned)
                 } else {
                     return Err(PyValueError::new_err(format!(
                         "invalid backend {spec:?}: expected None, 'cuda:N', 'pinned:N' or 'standin'"
                     )));
                 };
-                let backend: Arc<dyn Backend> = memory.backend.clone();
+                let backend: Arc<dyn Backend> = source.backend.clone();
                 let ws = Workspace::with_backend(name, c, backend).map_err(|e| to_py(py, e))?;
-                (ws, memory)
+                (ws, source)
             }
         };
         let bypass = ws.debug_mode() == DebugMode::BypassEverything;
         let cycle_detector = ws.config().use_cycle_detector;
         let shared = Arc::new(Shared::new(NEXT_ID.fetch_add(1, Ordering::Relaxed), ws));
         let capsule = handler::new_capsule(py, &shared)?;
+        let memory = source.into_memory(shared.clone());
         Ok(WorkspaceCore {
             shared,
             capsule,
