@@ -516,3 +516,31 @@ def test_the_cupy_allocator_hands_out_blocks_owned_by_cupy(monkeypatch):
         assert p.mem.owner.ptr == p.ptr and ws.stats().used_bytes >= 4096
         del p
         assert ws.stats().used_bytes == 0
+
+
+def test_an_array_serves_other_threads_while_it_copies():
+    # Transfers release the GIL; the array must stay usable from other threads meanwhile.
+    import threading
+
+    ws = dev(cfg=CFG.replace(initial_size="16MiB"))
+    with ws:
+        a = ws.zeros(1 << 20, np.float32)
+    errors = []
+
+    def copy_back():
+        try:
+            for _ in range(30):
+                assert not a.to_numpy().any()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=copy_back)
+    t.start()
+    reads = 0
+    while t.is_alive():
+        assert a.shape == (1 << 20,) and a.ptr and a.nbytes == 4 << 20
+        a.copy_from(np.zeros(1 << 20, np.float32))
+        reads += 1
+    t.join()
+    assert not errors, errors
+    assert reads > 0

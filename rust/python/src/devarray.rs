@@ -465,6 +465,14 @@ fn host_empty<'py>(
     out
 }
 
+/// What an array's memory is: its host ndarray, or its device block.
+type MemoryOf<'py> = (Option<Bound<'py, PyAny>>, Option<Arc<Block>>);
+
+/// The host mirror workspace of a device workspace (None without `FULL` mirroring).
+fn mirror_ws<'py>(ws: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
+    ws.getattr(pyo3::intern!(ws.py(), "_mirror_ws")).ok().filter(|m| !m.is_none())
+}
+
 /// An independent copy of `a` in ordinary memory.
 fn detached<'py>(py: Python<'py>, a: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let previous = handler::set_handler(py, None)?;
@@ -510,29 +518,45 @@ impl DeviceArray {
         }
     }
 
-    fn mirror_ws<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let ws = self.workspace.bind(py);
-        match ws.getattr(pyo3::intern!(py, "_mirror_ws")) {
-            Ok(m) if !m.is_none() => Ok(Some(m)),
-            _ => Ok(None),
+    /// The host array, or the block (shared out of the array, so that a transfer runs with no
+    /// borrow of the array held while the GIL is released).
+    fn memory_of<'py>(slf: &Bound<'py, Self>) -> PyResult<MemoryOf<'py>> {
+        let py = slf.py();
+        let mut me = slf.borrow_mut();
+        me.check(py)?;
+        if let Some(h) = &me.host {
+            return Ok((Some(h.bind(py).clone()), None));
         }
+        let block = me.block.share().ok_or_else(|| disposed_error(py))?;
+        Ok((None, Some(block)))
     }
 
     /// The pinned host mirror (`MirroringPolicy.FULL`), allocated on first use.
-    fn mirror_array<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        if let Some(m) = &self.mirror {
-            return Ok(m.bind(py).clone());
-        }
-        let Some(mws) = self.mirror_ws(py)? else {
-            let name = self.workspace.bind(py).getattr("name")?;
+    fn mirror_of<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let (ws, shape, dtype, order) = {
+            let me = slf.borrow();
+            if let Some(m) = &me.mirror {
+                return Ok(m.bind(py).clone());
+            }
+            (me.workspace.clone_ref(py), me.shape.clone_ref(py), me.dtype.clone_ref(py), me.order())
+        };
+        let Some(mws) = mirror_ws(ws.bind(py)) else {
+            let name = ws.bind(py).getattr("name")?;
             return Err(PyValueError::new_err(format!(
                 "workspace {} keeps no host mirror (policy_mirroring is not FULL)",
                 name.repr()?
             )));
         };
-        let m = mws.call_method1("empty", (self.shape.bind(py), self.dtype.bind(py), self.order()))?;
-        self.mirror = Some(m.clone().unbind());
-        Ok(m)
+        let m = mws.call_method1("empty", (shape, dtype, order))?;
+        let mut me = slf.borrow_mut();
+        match &me.mirror {
+            Some(first) => Ok(first.bind(py).clone()), // another thread made one meanwhile
+            None => {
+                me.mirror = Some(m.clone().unbind());
+                Ok(m)
+            }
+        }
     }
 
     fn host_dlpack<'py>(
@@ -827,61 +851,70 @@ impl DeviceArray {
     /// The host mirror in pinned memory (`FULL` mirroring), as last synchronised; for a
     /// host-memory array, the array itself.
     #[getter]
-    fn host<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.check(py)?;
-        if let Some(h) = &self.host {
-            return Ok(h.bind(py).clone());
+    fn host<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        match Self::memory_of(slf)? {
+            (Some(h), _) => Ok(h),
+            _ => Self::mirror_of(slf),
         }
-        self.mirror_array(py)
     }
 
     /// Copies the device contents into the host mirror and returns it.
-    fn sync_to_host<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.check(py)?;
-        if let Some(h) = &self.host {
-            return Ok(h.bind(py).clone());
+    fn sync_to_host<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        match Self::memory_of(slf)? {
+            (Some(h), _) => Ok(h),
+            (None, block) => {
+                let mirror = Self::mirror_of(slf)?;
+                block.ok_or_else(|| disposed_error(py))?.copy_to_host(py, &mirror)?;
+                Ok(mirror)
+            }
         }
-        let mirror = self.mirror_array(py)?;
-        self.block(py)?.copy_to_host(py, &mirror)?;
-        Ok(mirror)
     }
 
     /// Copies the host mirror into device memory; returns self.
-    fn sync_to_device(mut slf: PyRefMut<'_, Self>) -> PyResult<PyRefMut<'_, Self>> {
+    fn sync_to_device<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
         let py = slf.py();
-        slf.check(py)?;
-        if slf.host.is_none() {
-            let mirror = slf.mirror_array(py)?;
-            slf.block(py)?.copy_from_host(py, &mirror)?;
+        if let (None, Some(block)) = Self::memory_of(slf)? {
+            let mirror = Self::mirror_of(slf)?;
+            block.copy_from_host(py, &mirror)?;
         }
-        Ok(slf)
+        Ok(slf.clone())
     }
 
     /// An independent copy in ordinary host memory.
-    #[allow(clippy::wrong_self_convention)] // the Python API's name; filling the mirror needs `&mut`
-    fn to_numpy<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.check(py)?;
-        if let Some(h) = &self.host {
-            return detached(py, h.bind(py));
+    #[allow(clippy::wrong_self_convention)] // the Python API's name
+    fn to_numpy<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let (host, block) = Self::memory_of(slf)?;
+        if let Some(h) = host {
+            return detached(py, &h);
         }
-        let out = host_empty(py, self.shape.bind(py), self.dtype.bind(py), self.fortran)?;
-        if self.mirror_ws(py)?.is_some() {
-            let mirror = self.sync_to_host(py)?; // a DMA into pinned memory, then one host copy
+        let (shape, dtype, fortran, ws) = {
+            let me = slf.borrow();
+            (me.shape.clone_ref(py), me.dtype.clone_ref(py), me.fortran, me.workspace.clone_ref(py))
+        };
+        let out = host_empty(py, shape.bind(py), dtype.bind(py), fortran)?;
+        if mirror_ws(ws.bind(py)).is_some() {
+            let mirror = Self::sync_to_host(slf)?; // a DMA into pinned memory, then one host copy
             numpy(py)?.call_method1("copyto", (&out, mirror))?;
         } else {
-            self.block(py)?.copy_to_host(py, &out)?;
+            block.ok_or_else(|| disposed_error(py))?.copy_to_host(py, &out)?;
         }
         Ok(out)
     }
 
     /// Copies `host_array` (same shape, castable) into this array; returns self.
-    fn copy_from<'py>(mut slf: PyRefMut<'py, Self>, host_array: &Bound<'py, PyAny>) -> PyResult<PyRefMut<'py, Self>> {
+    fn copy_from<'py>(slf: &Bound<'py, Self>, host_array: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Self>> {
         let py = slf.py();
-        slf.check(py)?;
+        let (shape, dtype, fortran, ws) = {
+            let me = slf.borrow();
+            me.check(py)?;
+            (me.shape.clone_ref(py), me.dtype.clone_ref(py), me.fortran, me.workspace.clone_ref(py))
+        };
+        let (shape, dtype) = (shape.bind(py), dtype.bind(py));
         let np = numpy(py)?;
         let src = np.call_method1("asarray", (host_array,))?;
-        let shape = slf.shape.bind(py).clone();
-        if !src.getattr("shape")?.eq(&shape)? {
+        if !src.getattr("shape")?.eq(shape)? {
             return Err(PyValueError::new_err(format!(
                 "copy_from: shape {} does not match {}",
                 src.getattr("shape")?.repr()?,
@@ -890,38 +923,37 @@ impl DeviceArray {
         }
         let same_kind = PyDict::new(py);
         same_kind.set_item("casting", "same_kind")?;
-        if let Some(h) = &slf.host {
-            np.call_method("copyto", (h.bind(py), &src), Some(&same_kind))?;
-            return Ok(slf);
+        let (host, block) = Self::memory_of(slf)?;
+        if let Some(h) = host {
+            np.call_method("copyto", (h, &src), Some(&same_kind))?;
+            return Ok(slf.clone());
         }
-        let dtype = slf.dtype.bind(py).clone();
         let src_dtype = src.getattr("dtype")?;
-        if !np.call_method1("can_cast", (&src_dtype, &dtype, "same_kind"))?.is_truthy()? {
+        if !np.call_method1("can_cast", (&src_dtype, dtype, "same_kind"))?.is_truthy()? {
             return Err(PyTypeError::new_err(format!(
                 "copy_from: cannot cast {} to {} under 'same_kind'",
                 src_dtype.str()?,
                 dtype.str()?
             )));
         }
-        if slf.mirror_ws(py)?.is_some() {
-            let mirror = slf.mirror_array(py)?;
+        if mirror_ws(ws.bind(py)).is_some() {
+            let mirror = Self::mirror_of(slf)?;
             np.call_method("copyto", (&mirror, &src), Some(&same_kind))?;
             return Self::sync_to_device(slf);
         }
-        let order = slf.order();
+        let order = if fortran { "F" } else { "C" };
         let kwargs = PyDict::new(py);
-        kwargs.set_item("dtype", &dtype)?;
+        kwargs.set_item("dtype", dtype)?;
         kwargs.set_item("order", order)?;
         let mut staged = np.call_method("asarray", (&src,), Some(&kwargs))?;
         let flags = staged.getattr("flags")?;
-        let contiguous = flags.getattr(if slf.fortran { "f_contiguous" } else { "c_contiguous" })?.is_truthy()?;
-        if !contiguous {
+        if !flags.getattr(if fortran { "f_contiguous" } else { "c_contiguous" })?.is_truthy()? {
             let kw = PyDict::new(py);
             kw.set_item("order", order)?;
             staged = staged.call_method("copy", (), Some(&kw))?;
         }
-        slf.block(py)?.copy_from_host(py, &staged)?;
-        Ok(slf)
+        block.ok_or_else(|| disposed_error(py))?.copy_from_host(py, &staged)?;
+        Ok(slf.clone())
     }
 
     /// Releases the memory now (idempotent); any later use raises `DisposedArrayError`.
