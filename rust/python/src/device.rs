@@ -109,7 +109,9 @@ impl PendingReleases {
                 unsafe { r.shared.lock().free(p) };
             }
         }
-        without_gil(|| self.cuda.reclaim());
+        if self.cuda.has_deferred() {
+            without_gil(|| self.cuda.reclaim());
+        }
     }
 }
 
