@@ -11,7 +11,8 @@
  *   - device count (0 for "no device", and a bad ordinal above it);
  *   - a device memory limit (out of memory after N bytes);
  *   - frees that fail, and frees that take a while (to see that nothing waits for them);
- *   - cuCtxSetCurrent that fails (a context the driver will not make current or restore);
+ *   - cuCtxSetCurrent that fails, at once or after some calls succeed (a context the driver will
+ *     not make current, or will not restore);
  *   - events that stay pending until completed by hand (work still running on a stream).
  *
  * The test suites compile this file with the machine's C compiler; nothing in the package loads it.
@@ -79,6 +80,7 @@ static size_t host_bytes;
 static int failing_frees;
 static long free_delay_us;
 static int failing_set_current;
+static int set_current_before_failing;
 static int events_pending;
 static struct standin_context primary[MAX_DEVICES];
 static struct standin_context foreign = {CTX_MAGIC, -1, 1};
@@ -182,6 +184,7 @@ STANDIN_EXPORT void standin_reset(void) {
     failing_frees = 0;
     free_delay_us = 0;
     failing_set_current = 0;
+    set_current_before_failing = 0;
     events_pending = 0;
     for (struct standin_event *e = events; e; e = e->next) e->complete = 1;
     log_len = 0;
@@ -193,7 +196,12 @@ STANDIN_EXPORT void standin_set_device_count(int n) { device_count = n < 0 ? 0 :
 STANDIN_EXPORT void standin_set_memory_limit(size_t bytes) { memory_limit = bytes; }
 STANDIN_EXPORT void standin_set_failing_frees(int n) { failing_frees = n; }
 STANDIN_EXPORT void standin_set_free_delay_us(long us) { free_delay_us = us; }
+/* The next `n` calls of cuCtxSetCurrent fail, after `after` more succeed. */
 STANDIN_EXPORT void standin_set_failing_set_current(int n) { failing_set_current = n; }
+STANDIN_EXPORT void standin_set_failing_set_current_after(int after, int n) {
+    set_current_before_failing = after;
+    failing_set_current = n;
+}
 STANDIN_EXPORT void standin_set_events_pending(int pending) { events_pending = pending; }
 STANDIN_EXPORT size_t standin_device_bytes(void) { return device_bytes; }
 STANDIN_EXPORT size_t standin_host_bytes(void) { return host_bytes; }
@@ -352,8 +360,13 @@ STANDIN_EXPORT CUresult cuCtxSetCurrent(void *ctx) {
     struct standin_context *c = ctx;
     if (c && c->magic != CTX_MAGIC) return CUDA_ERROR_INVALID_CONTEXT;
     pthread_mutex_lock(&lock);
-    int fail = failing_set_current > 0;
-    if (fail) failing_set_current--;
+    int fail = 0;
+    if (set_current_before_failing > 0)
+        set_current_before_failing--;
+    else if (failing_set_current > 0) {
+        fail = 1;
+        failing_set_current--;
+    }
     pthread_mutex_unlock(&lock);
     if (fail) {
         note("cuCtxSetCurrent %d FAILED", ctx_id(c));

@@ -142,6 +142,15 @@ pub struct StreamEvent {
     event: usize,
 }
 
+/// Contexts the driver refused to restore (see [`failed_context_restores`]).
+static FAILED_RESTORES: AtomicUsize = AtomicUsize::new(0);
+
+/// How many times the driver refused to make a thread's previous context current again after a
+/// call of this module: each left the device's primary context current on that thread.
+pub fn failed_context_restores() -> usize {
+    FAILED_RESTORES.load(Ordering::Relaxed)
+}
+
 /// Restores a thread's CUDA context (see [`CudaMemory::make_current`]).
 struct ContextGuard {
     /// The context to restore, as an address (0: none was current).
@@ -153,7 +162,9 @@ impl Drop for ContextGuard {
         if let Some(previous) = self.restore {
             // SAFETY: `previous` was the thread's current context when the guard was made (or
             // null, which unbinds); the caller's framework keeps its own context alive.
-            let _ = unsafe { result::ctx::set_current(previous as sys::CUcontext) };
+            if unsafe { result::ctx::set_current(previous as sys::CUcontext) }.is_err() {
+                FAILED_RESTORES.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 }

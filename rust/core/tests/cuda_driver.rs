@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::standin::exclusive;
-use rustws_core::cuda::{device_count, probe, CudaMemory, DeferredRelease, PinnedHostMemory};
+use rustws_core::cuda::{device_count, failed_context_restores, probe, CudaMemory, DeferredRelease, PinnedHostMemory};
 use rustws_core::{Backend, Error, LearningPolicy, SpillPolicy, Workspace, WorkspaceConfiguration};
 
 fn config(initial: u64) -> WorkspaceConfiguration {
@@ -222,4 +222,26 @@ fn release_events_follow_the_stream_and_order_before_waits_for_the_legacy_stream
     assert!(log.lines().nth(wait).unwrap().contains(&format!("{stream:p}")), "{log}");
     // SAFETY: unbinds the thread's context.
     unsafe { (s.ctx_set_current)(std::ptr::null_mut()) };
+}
+
+#[test]
+fn a_context_the_driver_will_not_restore_is_counted() {
+    let (_g, s) = exclusive();
+    let gpu = CudaMemory::new(0).unwrap();
+    // SAFETY: stand-in calls: a context of "another library" is current on this thread.
+    let foreign = unsafe { (s.foreign_context)() };
+    // SAFETY: as above.
+    assert_eq!(unsafe { (s.ctx_set_current)(foreign) }, 0);
+    let before = failed_context_restores();
+    // SAFETY: a switch of the stand-in: ours is made current, then the restore fails.
+    unsafe { (s.set_failing_set_current_after)(1, 1) };
+    let p = gpu.alloc_block(4096).unwrap();
+    assert_eq!(failed_context_restores(), before + 1);
+    // SAFETY: a probe of the stand-in.
+    assert_ne!(unsafe { (s.current_context)() }, foreign, "the switch left device 0's context current");
+    // SAFETY: live, released once; then the thread's context is unbound.
+    unsafe {
+        gpu.free_block(p, 4096);
+        (s.ctx_set_current)(std::ptr::null_mut());
+    }
 }
