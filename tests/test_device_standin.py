@@ -544,3 +544,12 @@ def test_an_array_serves_other_threads_while_it_copies():
     t.join()
     assert not errors, errors
     assert reads > 0
+
+
+def test_a_host_workspace_cannot_claim_device_arrays():
+    host = rustws.workspace("PLAIN", CFG)
+    with pytest.raises(ValueError, match="holds host memory"):
+        host._set_device("cuda:0", True, (2, 0))
+    ws = dev()
+    with pytest.raises(ValueError, match="already set"):
+        ws._set_device("cuda:0", True, (2, 0))

@@ -269,8 +269,11 @@ impl WorkspaceCore {
     /// `device` (`"cuda:N"`, or `"cpu"` for host memory), exported to DLPack as `dl`; over the
     /// workspace's memory when `on_device`, else over host arrays of the workspace.
     fn _set_device(&self, py: Python<'_>, device: &str, on_device: bool, dl: (i32, i32)) -> PyResult<()> {
-        if on_device && self.shared.host_accessible && self.memory.cuda.is_none() && self.memory.deferred.is_some() {
-            return Err(PyValueError::new_err("pinned host memory cannot hold device arrays"));
+        if on_device && self.shared.host_accessible {
+            return Err(PyValueError::new_err(format!(
+                "workspace {:?} holds host memory: its arrays cannot be device arrays",
+                self.shared.name
+            )));
         }
         let side = DeviceSide { name: pyo3::types::PyString::new(py, device).unbind(), dl, on_device };
         self.device.set(side).map_err(|_| PyValueError::new_err("the workspace's device is already set"))
