@@ -294,6 +294,10 @@ def test_dlpack_arguments_are_checked():
         a.__dlpack__(stream="default")
     with pytest.raises(BufferError, match="device"):
         a.__dlpack__(dl_device=(1, 0))
+    with pytest.raises(TypeError, match="max_version"):
+        a.__dlpack__(max_version=1)
+    with pytest.raises(TypeError, match="dl_device"):
+        a.__dlpack__(dl_device="cuda")
     with pytest.raises(BufferError, match="DLPack"):
         s.__dlpack__()
     with ws:

@@ -824,7 +824,12 @@ impl DeviceArray {
             block.order_before(py, s as usize)?; // after the copy: the consumer waits for it too
         }
         let versioned = match max_version {
-            Some(v) if !v.is_none() => v.get_item(0)?.extract::<i64>()? >= 1,
+            Some(v) if !v.is_none() => {
+                let (major, _minor) = v.extract::<(i64, i64)>().map_err(|_| {
+                    PyTypeError::new_err(format!("max_version must be a (major, minor) tuple of ints, got {v}"))
+                })?;
+                major >= 1
+            }
             _ => false,
         };
         let shape: Vec<i64> = self.dims(py)?.into_iter().map(|d| d as i64).collect();
