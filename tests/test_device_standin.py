@@ -510,7 +510,9 @@ def test_the_cupy_allocator_hands_out_blocks_owned_by_cupy(monkeypatch):
             self.mem, self.ptr = mem, mem.ptr + offset
 
     memory = types.SimpleNamespace(UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer)
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=memory))
+    current = types.SimpleNamespace(ptr=0)
+    cuda = types.SimpleNamespace(memory=memory, get_current_stream=lambda: current)
+    fake = types.SimpleNamespace(cuda=cuda)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     ws = dev()
     alloc = rustws.cupy.allocator(ws)

@@ -343,3 +343,39 @@ def case_random_programs_keep_device_contents() -> None:
     del kept, a, data
     gc.collect()
     assert ws.stats().used_bytes == 0
+
+
+def case_cupy_blocks_wait_for_the_stream_they_were_made_on() -> None:
+    import sys
+    import types
+
+    # CuPy's classes as the allocator uses them, and its current stream: one of the stand-in's.
+    class UnownedMemory:
+        def __init__(self, ptr: int, size: int, owner: object, device_id: int) -> None:
+            self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+    class MemoryPointer:
+        def __init__(self, mem: UnownedMemory, offset: int) -> None:
+            self.mem, self.ptr = mem, mem.ptr + offset
+
+    stream = types.SimpleNamespace(ptr=DRIVER.new_stream())
+    memory = types.SimpleNamespace(UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer)
+    cuda = types.SimpleNamespace(memory=memory, get_current_stream=lambda: stream)
+    sys.modules["cupy"] = types.SimpleNamespace(cuda=cuda)  # type: ignore[assignment]
+    try:
+        ws = gpu()
+        alloc = rustws.cupy.allocator(ws)
+        with ws:
+            p = alloc(4096)
+            used = ws.stats().used_bytes
+            assert used >= 4096
+            DRIVER.set_events_pending(True)
+            DRIVER.clear_log()
+            del p  # CuPy drops the memory; kernels queued on its stream may still run
+            index(DRIVER.log(), rf"^cuEventRecord 0x[0-9a-f]+ {stream.ptr:#x}$")
+            assert ws.stats().used_bytes == used
+            DRIVER.complete_events()
+            ws._reclaim()
+            assert ws.stats().used_bytes == 0
+    finally:
+        del sys.modules["cupy"]
