@@ -9,8 +9,8 @@ On a machine with a GPU (and PyTorch / CuPy where installed):
    allocator: median step time and peak reserved memory (goal: within 1.05x, no more memory).
 
 With ``--standin`` (any machine) it times the host side of (1) alone: a device workspace over the
-host stand-in against ``np.empty``. Arena allocations of a device workspace make no driver call,
-so this is the per-call cost of the device path without a GPU.
+host stand-in against ``np.empty`` (goal: at most 1.0x its time). Arena allocations of a device
+workspace make no driver call, so this is the per-call cost of the device path without a GPU.
 
     python benches/gpu.py [--rounds 15] [--out results.json]
     python benches/gpu.py --standin
@@ -49,7 +49,7 @@ def interleaved(variants: dict[str, Any], rounds: int, calls: int) -> dict[str, 
 
 
 def bench_standin(rounds: int, n: int) -> dict[str, Any]:
-    from rustws._workspace import _standin_workspace
+    from rustws.cuda import _standin_workspace
 
     ws = _standin_workspace(
         "BENCH", rustws.WorkspaceConfiguration(initial_size="64MiB", policy_mirroring="DISABLED")
@@ -64,7 +64,11 @@ def bench_standin(rounds: int, n: int) -> dict[str, Any]:
             rounds,
             20_000,
         )
-    return {"per_call_ns": {k: v * 1e9 for k, v in t.items()}}
+    base = t["rustws device path (stand-in)"]
+    return {
+        "per_call_ns": {k: v * 1e9 for k, v in t.items()},
+        "ratio_rustws_over_np_empty": base / t["np.empty"],
+    }
 
 
 def bench_empty(rounds: int, n: int) -> dict[str, Any]:

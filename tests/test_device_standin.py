@@ -23,7 +23,7 @@ from rustws import (
     WorkspaceOutOfMemory,
     _rustws,
 )
-from rustws._workspace import _standin_workspace
+from rustws.cuda import _standin_workspace
 
 CFG = WorkspaceConfiguration(initial_size="1MiB", policy_mirroring="DISABLED")
 
@@ -222,7 +222,7 @@ def test_device_workspaces_never_capture_numpy():
         assert rustws.owner(h) is None
         assert rustws.current_workspace() is ws
         with pytest.raises(TypeError, match="device memory"):
-            _rustws.WorkspaceCore.empty(ws, 3)
+            ws._ndarray(3)  # NumPy arrays never live in device memory
     previous = _rustws.set_handler(ws.handler)
     try:
         with pytest.raises(MemoryError):
@@ -294,6 +294,10 @@ def test_dlpack_arguments_are_checked():
         a.__dlpack__(stream="default")
     with pytest.raises(BufferError, match="device"):
         a.__dlpack__(dl_device=(1, 0))
+    with pytest.raises(TypeError, match="max_version"):
+        a.__dlpack__(max_version=1)
+    with pytest.raises(TypeError, match="dl_device"):
+        a.__dlpack__(dl_device="cuda")
     with pytest.raises(BufferError, match="DLPack"):
         s.__dlpack__()
     with ws:
@@ -506,7 +510,9 @@ def test_the_cupy_allocator_hands_out_blocks_owned_by_cupy(monkeypatch):
             self.mem, self.ptr = mem, mem.ptr + offset
 
     memory = types.SimpleNamespace(UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer)
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=memory))
+    current = types.SimpleNamespace(ptr=0)
+    cuda = types.SimpleNamespace(memory=memory, get_current_stream=lambda: current)
+    fake = types.SimpleNamespace(cuda=cuda)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     ws = dev()
     alloc = rustws.cupy.allocator(ws)
@@ -516,3 +522,40 @@ def test_the_cupy_allocator_hands_out_blocks_owned_by_cupy(monkeypatch):
         assert p.mem.owner.ptr == p.ptr and ws.stats().used_bytes >= 4096
         del p
         assert ws.stats().used_bytes == 0
+
+
+def test_an_array_serves_other_threads_while_it_copies():
+    # Transfers release the GIL; the array must stay usable from other threads meanwhile.
+    import threading
+
+    ws = dev(cfg=CFG.replace(initial_size="16MiB"))
+    with ws:
+        a = ws.zeros(1 << 20, np.float32)
+    errors = []
+
+    def copy_back():
+        try:
+            for _ in range(30):
+                assert not a.to_numpy().any()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=copy_back)
+    t.start()
+    reads = 0
+    while t.is_alive():
+        assert a.shape == (1 << 20,) and a.ptr and a.nbytes == 4 << 20
+        a.copy_from(np.zeros(1 << 20, np.float32))
+        reads += 1
+    t.join()
+    assert not errors, errors
+    assert reads > 0
+
+
+def test_a_host_workspace_cannot_claim_device_arrays():
+    host = rustws.workspace("PLAIN", CFG)
+    with pytest.raises(ValueError, match="holds host memory"):
+        host._set_device("cuda:0", True, (2, 0))
+    ws = dev()
+    with pytest.raises(ValueError, match="already set"):
+        ws._set_device("cuda:0", True, (2, 0))

@@ -37,7 +37,6 @@ from ._errors import (
 from ._layers import LayerWorkspaceMgr, LayerWorkspaceMgrBuilder
 from ._pipeline import AsyncPrefetch, AsyncShield, gc_window, set_auto_gc_window, toggle_periodic_gc
 from ._workspace import (
-    DeviceWorkspace,
     Workspace,
     current_workspace,
     destroy_all_workspaces_for_current_thread,
@@ -51,7 +50,7 @@ from ._workspace import (
     workspace,
     workspaces,
 )
-from .cuda import DeviceArray
+from .cuda import DeviceArray, DeviceWorkspace
 
 __version__: str = _rustws.__version__
 

@@ -4,53 +4,26 @@ Each thread has a chain of open scopes. An array created while a scope is innerm
 with it, and disposed when the scope closes unless it was moved out (``move_to_outer``) or
 detached. Scopes may close out of order: closing one unlinks it wherever it is in the chain.
 Host NumPy arrays are not tracked here: workspace cycles govern them.
+
+The chain and the counters live in the bindings, where a new ``DeviceArray`` registers itself
+without running Python (it calls the innermost scope's ``_give`` only when there is one).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import threading
 from typing import Any
+
+from . import _rustws
 
 __all__ = ["DisposeScope", "DisposeStatistics", "dispose_scope", "dispose_statistics"]
 
-
-@dataclasses.dataclass
-class DisposeStatistics:
-    """Counters of one thread: arrays created in and outside scopes, disposed in and outside
-    scopes, attached to and detached from scopes, and live (created, not yet disposed or freed)."""
-
-    created_in_scope: int = 0
-    created_outside_scope: int = 0
-    disposed_in_scope: int = 0
-    disposed_outside_scope: int = 0
-    attached: int = 0
-    detached: int = 0
-    live: int = 0
-
-    def reset(self) -> None:
-        """Zeroes every counter but ``live`` (a state, not a count of events)."""
-        live = self.live
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, 0)
-        self.live = live
-
-
-class _ThreadState(threading.local):
-    def __init__(self) -> None:
-        self.chain: list[DisposeScope] = []
-        self.stats = DisposeStatistics()
-
-
-_state = _ThreadState()
+DisposeStatistics = _rustws.DisposeStatistics
 
 
 def _check(arrays: tuple[Any, ...], held_by: DisposeScope | None = None) -> None:
     """Every argument is a rustws array (and, with ``held_by``, held by that scope)."""
-    from .cuda import DeviceArray
-
     for a in arrays:
-        if not isinstance(a, DeviceArray):
+        if not isinstance(a, _rustws.DeviceArray):
             raise TypeError(f"dispose scopes track rustws arrays (DeviceArray), got {type(a).__name__}")
         if held_by is not None and not held_by.contains(a):
             raise ValueError(f"{a!r} is not held by this dispose scope")
@@ -62,12 +35,12 @@ class DisposeScope:
     def __init__(self) -> None:
         self._arrays: dict[int, Any] = {}
         self._closed = False
-        self._stats = _state.stats
+        self._stats = _rustws.dispose_statistics()
 
     def __enter__(self) -> DisposeScope:
         if self._closed:
             raise RuntimeError("a closed dispose scope cannot be entered again")
-        _state.chain.append(self)
+        _rustws.dispose_push(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -79,17 +52,15 @@ class DisposeScope:
         if self._closed:
             return
         self._closed = True
-        chain = _state.chain
-        if self in chain:
-            chain.remove(self)
+        _rustws.dispose_remove(self)
         self.dispose_everything()
 
     def _outer(self) -> DisposeScope | None:
-        chain = _state.chain
-        if self not in chain:
-            return None
-        i = chain.index(self)
-        return chain[i - 1] if i > 0 else None
+        chain = _rustws.dispose_chain()
+        for i, scope in enumerate(chain):
+            if scope is self:
+                return chain[i - 1] if i > 0 else None
+        return None
 
     def _take(self, a: Any) -> None:
         del self._arrays[id(a)]
@@ -173,39 +144,4 @@ def dispose_scope() -> DisposeScope:
 
 def dispose_statistics() -> DisposeStatistics:
     """This thread's counters (a live object: it keeps counting)."""
-    return _state.stats
-
-
-def _register(a: Any) -> None:
-    """Called by every new rustws-owned array; the array calls ``_collected`` when it dies."""
-    stats = _state.stats
-    stats.live += 1
-    chain = _state.chain
-    a._scope = None
-    a._stats = stats
-    if chain:
-        chain[-1]._give(a)
-        stats.created_in_scope += 1
-    else:
-        stats.created_outside_scope += 1
-
-
-def _collected(a: Any) -> None:
-    """Called when an array that was never disposed dies."""
-    stats = getattr(a, "_stats", None)
-    if stats is not None and not a._disposed:
-        stats.live -= 1
-
-
-def _disposed(a: Any) -> None:
-    """Called by an array's ``dispose()``, once (counted on the thread that created it)."""
-    stats = a._stats
-    a._disposed = True
-    stats.live -= 1
-    scope = a._scope
-    if scope is not None:
-        scope._arrays.pop(id(a), None)
-        a._scope = None
-        stats.disposed_in_scope += 1
-    else:
-        stats.disposed_outside_scope += 1
+    return _rustws.dispose_statistics()

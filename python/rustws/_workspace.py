@@ -4,6 +4,9 @@ module-level helpers of the contract (``workspace``, ``detach``, ``leverage_to``
 Cycles, the per-context scope stack and capture (making a workspace NumPy's current allocator)
 are in the bindings; the stack lives in a ``ContextVar``, like NumPy's current handler, so threads
 and asyncio tasks each see their own innermost workspace.
+
+Device workspaces are ``rustws.cuda``'s: it registers how to make them (``_set_device_factory``),
+so this module never imports it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import threading
 import traceback
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import numpy as np
@@ -23,10 +27,6 @@ import numpy as np
 from . import _rustws
 from ._config import WorkspaceConfiguration, WorkspaceStats
 from ._errors import LeakedArrayError, NoSuchWorkspaceError, WorkspaceClosedError
-from .cuda import DeviceArray, _normalize_shape
-
-_over_buffer = DeviceArray._over_buffer
-_PLAIN_DTYPES = frozenset(type(np.dtype(c)) for c in "?bhilqBHILQefdgFDG")
 
 try:  # NumPy 2
     from numpy._core.multiarray import get_handler_name as _get_handler_name
@@ -34,7 +34,6 @@ except ImportError:  # pragma: no cover - NumPy 1.x
     from numpy.core.multiarray import get_handler_name as _get_handler_name
 
 __all__ = [
-    "DeviceWorkspace",
     "Workspace",
     "current_workspace",
     "destroy_all_workspaces_for_current_thread",
@@ -53,6 +52,16 @@ logger = logging.getLogger("rustws")
 
 _local = threading.local()
 _BY_ID: weakref.WeakValueDictionary[int, Workspace] = weakref.WeakValueDictionary()
+
+
+# Makes device workspaces: ``(name, config, device, ordinal, capture) -> Workspace``, set by
+# ``rustws.cuda`` when it is imported (the package imports it).
+_device_factory: Callable[[str, WorkspaceConfiguration, str, int, bool], Workspace] | None = None
+
+
+def _set_device_factory(factory: Callable[[str, WorkspaceConfiguration, str, int, bool], Workspace]) -> None:
+    global _device_factory
+    _device_factory = factory
 
 
 class _Registry(dict[str, "Workspace"]):
@@ -152,7 +161,7 @@ class Workspace(_rustws.WorkspaceCore):
         fill = np.asarray(fill_value)
         if dtype is None:
             dtype = fill.dtype
-        a = _rustws.WorkspaceCore.empty(self, shape, dtype, order)
+        a = self._ndarray(shape, dtype, order)
         if fill.ndim == 0:
             a.fill(fill_value)
         else:
@@ -163,12 +172,12 @@ class Workspace(_rustws.WorkspaceCore):
     def empty_like(self, a: Any, dtype: Any = None) -> np.ndarray:
         a = np.asarray(a)
         order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-        return _rustws.WorkspaceCore.empty(self, a.shape, a.dtype if dtype is None else dtype, order)
+        return self._ndarray(a.shape, a.dtype if dtype is None else dtype, order)
 
     def zeros_like(self, a: Any, dtype: Any = None) -> np.ndarray:
         a = np.asarray(a)
         order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-        return _rustws.WorkspaceCore.zeros(self, a.shape, a.dtype if dtype is None else dtype, order)
+        return self._ndarray(a.shape, a.dtype if dtype is None else dtype, order, True)
 
     # -- state --------------------------------------------------------------------------------
     def stats(self) -> WorkspaceStats:
@@ -218,201 +227,6 @@ def _check_device(device: Any) -> tuple[str, int | None]:
     raise ValueError(f"invalid device {device!r}: expected 'cpu' or 'cuda:N'")
 
 
-def _fortran(order: Any) -> bool:
-    if order in ("C", "c"):
-        return False
-    if order in ("F", "f"):
-        return True
-    raise ValueError(f"order must be 'C' or 'F', got {order!r}")
-
-
-class DeviceWorkspace(Workspace):
-    """A device workspace: its arrays are ``DeviceArray``s over device memory (with a pinned
-    host mirror under ``MirroringPolicy.FULL``). Under ``HOST_ONLY``, or in a host fallback when
-    no GPU can be used, its memory is host memory and its arrays have ``device == "cpu"``."""
-
-    requested_device: str
-    fallback_reason: str | None
-    _on_device: bool
-    _dl: tuple[int, int]
-    _mirror_ws: Workspace | None
-
-    def _setup_device(
-        self,
-        requested: str,
-        reason: str | None,
-        on_device: bool,
-        dl: tuple[int, int],
-        mirror: Workspace | None,
-    ) -> None:
-        self.requested_device, self.fallback_reason = requested, reason
-        self._on_device, self._dl, self._mirror_ws = on_device, dl, mirror
-
-    # Cycles: the mirror follows the device workspace's cycles, without becoming current.
-    def __enter__(self) -> DeviceWorkspace:
-        mirror = self._mirror_ws
-        if mirror is not None and not mirror.is_destroyed:
-            mirror._open_cycle()
-        try:
-            Workspace.__enter__(self)
-        except BaseException:
-            if mirror is not None and not mirror.is_destroyed:
-                mirror._close_cycle()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        try:
-            return bool(Workspace.__exit__(self, *exc))
-        finally:
-            mirror = self._mirror_ws
-            if mirror is not None and mirror.is_open:
-                mirror._close_cycle()
-
-    def destroy(self) -> None:
-        mirror = self._mirror_ws
-        if mirror is not None:
-            mirror.destroy()
-        Workspace.destroy(self)
-
-    close = destroy
-
-    # -- allocation -------------------------------------------------------------------------------
-    def _wrap(self, host: np.ndarray) -> Any:
-        from .cuda import DeviceArray
-
-        return DeviceArray(host, self, self.device)
-
-    def _new(self, shape: Any, dtype: Any, order: Any, zeroed: bool) -> Any:
-        # The per-call path of device arrays: as few calls as the checks allow.
-        dims = _normalize_shape(shape)
-        dt = dtype if isinstance(dtype, np.dtype) else np.dtype(float if dtype is None else dtype)
-        if dt.hasobject:
-            raise TypeError(
-                f"dtype {dt} holds Python objects; workspace memory never holds Python references"
-            )
-        fortran = order != "C" and _fortran(order)
-        n = dt.itemsize
-        for d in dims:
-            n *= d
-        buf = self._buffer(n, zeroed)
-        return _over_buffer(buf, dims, dt, fortran, self, self.device, self._dl)
-
-    def empty(self, shape: Any, dtype: Any = None, order: str = "C") -> Any:
-        if self._on_device:
-            # The per-call path: a tuple of ints, a numeric dtype object and C order need no
-            # normalisation (this saves a third of the call).
-            if type(shape) is tuple and type(dtype) in _PLAIN_DTYPES and order == "C":
-                n = dtype.itemsize
-                for d in shape:
-                    if type(d) is not int or d < 0:
-                        break
-                    n *= d
-                else:
-                    return _over_buffer(self._buffer(n), shape, dtype, False, self, self.device, self._dl)
-            return self._new(shape, dtype, order, False)
-        return self._wrap(Workspace.empty(self, shape, dtype, order))
-
-    def zeros(self, shape: Any, dtype: Any = None, order: str = "C") -> Any:
-        if self._on_device:
-            return self._new(shape, dtype, order, True)
-        return self._wrap(Workspace.zeros(self, shape, dtype, order))
-
-    def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> Any:
-        if self._on_device:
-            if dtype is None:
-                dtype = np.array(fill_value).dtype
-            out = self._new(shape, dtype, order, False)
-            return out.copy_from(np.full(out.shape, fill_value, out.dtype))
-        return self._wrap(Workspace.full(self, shape, fill_value, dtype, order))
-
-    def _like(self, a: Any) -> tuple[tuple[int, ...], np.dtype[Any], str]:
-        from .cuda import DeviceArray
-
-        if isinstance(a, DeviceArray):
-            return a.shape, a.dtype, "F" if a._fortran else "C"
-        arr = np.asarray(a)
-        return arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
-
-    def empty_like(self, a: Any, dtype: Any = None) -> Any:
-        shape, dt, order = self._like(a)
-        return self.empty(shape, dt if dtype is None else dtype, order)
-
-    def zeros_like(self, a: Any, dtype: Any = None) -> Any:
-        shape, dt, order = self._like(a)
-        return self.zeros(shape, dt if dtype is None else dtype, order)
-
-
-def _mirror_config(cfg: WorkspaceConfiguration) -> dict[str, Any]:
-    """The host mirror's configuration: the device's, except that it learns its size from the
-    mirrors actually used (pinned memory is scarce, and many programs never read most arrays back)."""
-    from ._config import LearningPolicy
-
-    if cfg.policy_learning != LearningPolicy.NONE:
-        cfg = cfg.replace(initial_size=0)
-    return cfg._core_dict()
-
-
-def _device_workspace(
-    name: str, cfg: WorkspaceConfiguration, requested: str, ordinal: int, capture: bool
-) -> DeviceWorkspace:
-    """A device workspace on ``cuda:<ordinal>`` under ``cfg``'s mirroring policy, or its host
-    fallback (warned about, or refused when ``helper_allow_fallback`` is false)."""
-    from ._config import MirroringPolicy
-    from .cuda import _KDL_CPU, _KDL_CUDA, _fallback_or_raise
-
-    core = cfg._core_dict()
-    if cfg.policy_mirroring == MirroringPolicy.HOST_ONLY:
-        ws = DeviceWorkspace(name, core)
-        ws._setup(cfg, "cpu", capture)
-        ws._setup_device(requested, None, False, (_KDL_CPU, 0), None)
-        return ws
-    reason = _fallback_or_raise(requested, ordinal, cfg.helper_allow_fallback)
-    if reason is not None:
-        warnings.warn(
-            f"workspace {name!r}: device {requested!r} is unavailable ({reason}); "
-            "falling back to host memory",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        ws = DeviceWorkspace(name, core)
-        ws._setup(cfg, "cpu", capture)
-        ws._setup_device(requested, reason, False, (_KDL_CPU, 0), None)
-        return ws
-    mirror = None
-    if cfg.policy_mirroring == MirroringPolicy.FULL:
-        mirror = Workspace(f"{name}/host-mirror", _mirror_config(cfg), f"pinned:{ordinal}")
-        mirror._setup(cfg, "cpu", False)
-        _BY_ID[mirror.id] = mirror
-    ws = DeviceWorkspace(name, core, f"cuda:{ordinal}")
-    ws._setup(cfg, requested, False)
-    ws._setup_device(requested, None, True, (_KDL_CUDA, ordinal), mirror)
-    return ws
-
-
-def _standin_workspace(
-    name: str, config: WorkspaceConfiguration | None = None, *, dl_device: tuple[int, int] = (2, 0)
-) -> DeviceWorkspace:
-    """A device workspace over host memory that the workspace treats as device memory (headers
-    kept apart, every access through the backend), reporting ``dl_device`` to DLPack: the device
-    code path, for tests on machines without a GPU. Under ``FULL`` mirroring its mirror is
-    ordinary host memory. Not registered on the thread."""
-    from ._config import MirroringPolicy
-
-    cfg = config if config is not None else WorkspaceConfiguration()
-    core = cfg._core_dict()
-    mirror = None
-    if cfg.policy_mirroring == MirroringPolicy.FULL:
-        mirror = Workspace(f"{name}/host-mirror", _mirror_config(cfg))
-        mirror._setup(cfg, "cpu", False)
-        _BY_ID[mirror.id] = mirror
-    ws = DeviceWorkspace(name, core, "standin")
-    ws._setup(cfg, "cuda:0", False)
-    ws._setup_device("cuda:0", None, True, dl_device, mirror)
-    _BY_ID[ws.id] = ws
-    return ws
-
-
 def workspace(
     name: str = "DEFAULT",
     config: WorkspaceConfiguration | None = None,
@@ -451,7 +265,9 @@ def workspace(
         ws = Workspace(name, cfg._core_dict())
         ws._setup(cfg, dev, capture)
     else:
-        ws = _device_workspace(name, cfg, dev, ordinal, capture)
+        if _device_factory is None:  # pragma: no cover - the package imports rustws.cuda
+            raise RuntimeError("device workspaces need rustws.cuda, which is not imported")
+        ws = _device_factory(name, cfg, dev, ordinal, capture)
     ws._registry = weakref.ref(reg)
     reg[name] = ws
     _BY_ID[ws.id] = ws
@@ -516,9 +332,7 @@ def leverage_to(name: str, a: Any, *, enforce_existence: bool = False) -> Any:
 
 def owner(a: Any) -> Workspace | None:
     """The workspace whose memory holds ``a`` (following ``.base``), else None."""
-    from .cuda import DeviceArray
-
-    if isinstance(a, DeviceArray):
+    if isinstance(a, _rustws.DeviceArray):
         if a.is_disposed:
             return None
         return owner(a._host) if a._host is not None else a.workspace

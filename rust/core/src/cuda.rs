@@ -4,8 +4,19 @@
 //!
 //! Device memory is not host-accessible: arenas over it keep their block headers on the host,
 //! and zeroing and copying go through the driver.
+//!
+//! Releases are deferred: `free_block` and `unmap` (which the workspace calls under its lock)
+//! only queue the pointer, and [`DeferredRelease::reclaim`] hands the queue to `cuMemFree` /
+//! `cuMemFreeHost` later, from wherever the owner holds no lock (the bindings also release the
+//! GIL around it). An allocation the driver refuses reclaims the queue and tries once more.
+//!
+//! Blocks used by other streams are released in stream order: [`CudaMemory::record_release`]
+//! records an event on each stream that used a block, and the owner gives the block back only
+//! once [`CudaMemory::is_complete`] says the event has passed.
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use cudarc::driver::{result, sys};
 
@@ -47,6 +58,7 @@ pub struct CudaMemory {
     device: sys::CUdevice,
     /// The primary context, as an address (contexts may be used from any thread).
     context: usize,
+    released: ReleaseQueue,
 }
 
 impl CudaMemory {
@@ -58,7 +70,7 @@ impl CudaMemory {
         // SAFETY: `device` was returned by `device::get`.
         let context = unsafe { result::primary_ctx::retain(device) }
             .map_err(|e| unavailable(format!("cannot create a context on CUDA device {ordinal}: {e:?}")))?;
-        Ok(CudaMemory { ordinal, device, context: context as usize })
+        Ok(CudaMemory { ordinal, device, context: context as usize, released: ReleaseQueue::default() })
     }
 
     pub fn ordinal(&self) -> usize {
@@ -69,15 +81,74 @@ impl CudaMemory {
     /// restores the thread's previous context: the frameworks sharing the thread (PyTorch, CuPy)
     /// keep the device they had.
     fn make_current(&self) -> Result<ContextGuard, String> {
-        let ours = self.context as sys::CUcontext;
-        let previous = result::ctx::get_current().map_err(|e| format!("{e:?}"))?;
-        if previous == Some(ours) {
-            return Ok(ContextGuard { restore: None });
-        }
-        // SAFETY: the context was retained in `new` and is released only in `drop`.
-        unsafe { result::ctx::set_current(ours) }.map_err(|e| format!("{e:?}"))?;
-        Ok(ContextGuard { restore: Some(previous.map_or(0, |c| c as usize)) })
+        make_current(self.context, self.ordinal)
     }
+}
+
+/// See [`CudaMemory::make_current`]; `context` must stay retained while the guard lives.
+fn make_current(context: usize, ordinal: usize) -> Result<ContextGuard, String> {
+    let ours = context as sys::CUcontext;
+    let previous = result::ctx::get_current()
+        .map_err(|e| format!("cannot read the current CUDA context for device {ordinal}: {e:?}"))?;
+    if previous == Some(ours) {
+        return Ok(ContextGuard { restore: None });
+    }
+    // SAFETY: the caller keeps the context retained while the guard lives.
+    unsafe { result::ctx::set_current(ours) }
+        .map_err(|e| format!("cannot make the context of CUDA device {ordinal} current: {e:?}"))?;
+    Ok(ContextGuard { restore: Some(previous.map_or(0, |c| c as usize)) })
+}
+
+/// Pointers released by a backend and not yet handed to the driver (see the module docs).
+#[derive(Debug, Default)]
+struct ReleaseQueue {
+    queue: Mutex<Vec<usize>>,
+    /// Whether `queue` holds anything: read without the lock on every allocation.
+    pending: AtomicBool,
+    /// Releases the driver refused (their memory is lost to the process, not to the arena).
+    failed: AtomicUsize,
+}
+
+impl ReleaseQueue {
+    fn push(&self, ptr: usize) {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).push(ptr);
+        self.pending.store(true, Ordering::Release);
+    }
+
+    fn take(&self) -> Vec<usize> {
+        if !self.pending.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        self.pending.store(false, Ordering::Release);
+        std::mem::take(&mut *q)
+    }
+}
+
+/// A backend whose releases wait in a queue until the owner calls [`reclaim`](Self::reclaim)
+/// outside its locks.
+pub trait DeferredRelease: Send + Sync {
+    /// Whether released memory waits for `reclaim`.
+    fn has_deferred(&self) -> bool;
+    /// Hands every queued release to the driver. Safe to call from any thread, at any time.
+    fn reclaim(&self);
+    /// Releases the driver refused so far.
+    fn failed_releases(&self) -> usize;
+}
+
+/// An event recorded on a stream (see [`CudaMemory::record_release`]).
+#[derive(Debug)]
+pub struct StreamEvent {
+    event: usize,
+}
+
+/// Contexts the driver refused to restore (see [`failed_context_restores`]).
+static FAILED_RESTORES: AtomicUsize = AtomicUsize::new(0);
+
+/// How many times the driver refused to make a thread's previous context current again after a
+/// call of this module: each left the device's primary context current on that thread.
+pub fn failed_context_restores() -> usize {
+    FAILED_RESTORES.load(Ordering::Relaxed)
 }
 
 /// Restores a thread's CUDA context (see [`CudaMemory::make_current`]).
@@ -91,15 +162,46 @@ impl Drop for ContextGuard {
         if let Some(previous) = self.restore {
             // SAFETY: `previous` was the thread's current context when the guard was made (or
             // null, which unbinds); the caller's framework keeps its own context alive.
-            let _ = unsafe { result::ctx::set_current(previous as sys::CUcontext) };
+            if unsafe { result::ctx::set_current(previous as sys::CUcontext) }.is_err() {
+                FAILED_RESTORES.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 }
 
 impl Drop for CudaMemory {
     fn drop(&mut self) {
+        self.reclaim();
         // SAFETY: `device` came from `device::get`, and its primary context was retained once.
         let _ = unsafe { result::primary_ctx::release(self.device) };
+    }
+}
+
+impl DeferredRelease for CudaMemory {
+    fn has_deferred(&self) -> bool {
+        self.released.pending.load(Ordering::Relaxed)
+    }
+
+    fn reclaim(&self) {
+        let ptrs = self.released.take();
+        if ptrs.is_empty() {
+            return;
+        }
+        let Ok(_ctx) = self.make_current() else {
+            self.released.failed.fetch_add(ptrs.len(), Ordering::Relaxed);
+            return;
+        };
+        for p in ptrs {
+            // SAFETY: every queued pointer came from `cuMemAlloc` in `alloc_device`, was released
+            // by the arena (nothing uses it), and leaves the queue once.
+            if unsafe { result::free_sync(p as sys::CUdeviceptr) }.is_err() {
+                self.released.failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn failed_releases(&self) -> usize {
+        self.released.failed.load(Ordering::Relaxed)
     }
 }
 
@@ -118,12 +220,12 @@ impl Backend for CudaMemory {
         Ok(p)
     }
 
+    /// Queues the release for [`DeferredRelease::reclaim`].
+    ///
     /// # Safety
     /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, _len: usize) {
-        let _ctx = self.make_current();
-        // SAFETY: the caller guarantees `ptr` came from `map` and is released once.
-        let _ = unsafe { result::free_sync(ptr.as_ptr() as usize as sys::CUdeviceptr) };
+        self.released.push(ptr.as_ptr() as usize);
     }
 
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
@@ -189,12 +291,71 @@ impl Backend for CudaMemory {
 }
 
 impl CudaMemory {
-    /// `len` fresh bytes of device memory; the context must be current.
+    /// `len` fresh bytes of device memory; the context must be current. A refusal while
+    /// releases wait in the queue reclaims them and tries once more.
     fn alloc_device(&self, len: usize) -> Result<NonNull<u8>, String> {
+        if self.has_deferred() {
+            // Normally the owner reclaims outside its locks right after releasing; this only
+            // catches owners that never do.
+            self.reclaim();
+        }
         // SAFETY: the caller made the context current; the result is a fresh device allocation.
-        let p = unsafe { result::malloc_sync(len) }
-            .map_err(|e| format!("CUDA device {} out of memory for {len} bytes: {e:?}", self.ordinal))?;
+        let mut r = unsafe { result::malloc_sync(len) };
+        if r.is_err() && self.has_deferred() {
+            self.reclaim();
+            // SAFETY: as above.
+            r = unsafe { result::malloc_sync(len) };
+        }
+        let p = r.map_err(|e| format!("CUDA device {} out of memory for {len} bytes: {e:?}", self.ordinal))?;
         NonNull::new(p as usize as *mut u8).ok_or_else(|| "cuMemAlloc returned null".to_string())
+    }
+
+    /// Records an event on `stream` (a `CUstream` handle, or 1 / 2 for the legacy / per-thread
+    /// default stream) after the work submitted to it so far: a block that stream used may be
+    /// handed out again once [`is_complete`](Self::is_complete) says so.
+    pub fn record_release(&self, stream: usize) -> Result<StreamEvent, String> {
+        let _ctx = self.make_current()?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| format!("cannot create a CUDA event: {e:?}"))?;
+        // SAFETY: `event` is live; the caller names a stream of this context (the stream a
+        // consumer declared through DLPack, or the one PyTorch passed to its allocator).
+        if let Err(e) = unsafe { result::event::record(event, stream as sys::CUstream) } {
+            // SAFETY: created above, never recorded.
+            let _ = unsafe { result::event::destroy(event) };
+            return Err(format!("cannot record a CUDA event on stream {stream:#x}: {e:?}"));
+        }
+        Ok(StreamEvent { event: event as usize })
+    }
+
+    /// Whether the work before `event` has finished. A failed query counts as finished after
+    /// waiting for the event (a broken event must not hold memory forever).
+    pub fn is_complete(&self, event: &StreamEvent) -> bool {
+        let Ok(_ctx) = self.make_current() else { return false };
+        // SAFETY: `event` was created by `record_release` and not destroyed (it is borrowed).
+        match unsafe { result::event::query(event.event as sys::CUevent) } {
+            Ok(()) => true,
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => false,
+            Err(_) => {
+                // SAFETY: as above.
+                let _ = unsafe { result::event::synchronize(event.event as sys::CUevent) };
+                true
+            }
+        }
+    }
+
+    /// Waits until the work before `event` has finished.
+    pub fn wait(&self, event: &StreamEvent) {
+        if let Ok(_ctx) = self.make_current() {
+            // SAFETY: `event` was created by `record_release` and not destroyed.
+            let _ = unsafe { result::event::synchronize(event.event as sys::CUevent) };
+        }
+    }
+
+    /// Destroys an event of `record_release`.
+    pub fn destroy_event(&self, event: StreamEvent) {
+        let _ctx = self.make_current();
+        // SAFETY: created by `record_release`, destroyed once (it is consumed).
+        let _ = unsafe { result::event::destroy(event.event as sys::CUevent) };
     }
 
     /// Orders work later submitted to `stream` (a `CUstream` handle, or 1 / 2 for the legacy /
@@ -237,12 +398,58 @@ impl CudaMemory {
 #[derive(Debug)]
 pub struct PinnedHostMemory {
     device: CudaMemory,
+    released: ReleaseQueue,
 }
 
 impl PinnedHostMemory {
     /// Pinned memory usable by device `ordinal` (and, being portable, by every context).
     pub fn new(ordinal: usize) -> Result<Self, Error> {
-        Ok(PinnedHostMemory { device: CudaMemory::new(ordinal)? })
+        Ok(PinnedHostMemory { device: CudaMemory::new(ordinal)?, released: ReleaseQueue::default() })
+    }
+
+    fn alloc_pinned(&self, len: usize) -> Result<*mut std::ffi::c_void, String> {
+        // SAFETY: a fresh allocation of `len` bytes, with this device's context current.
+        let mut r = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) };
+        if r.is_err() && self.has_deferred() {
+            self.reclaim();
+            // SAFETY: as above.
+            r = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) };
+        }
+        r.map_err(|e| format!("cannot pin {len} bytes of host memory: {e:?}"))
+    }
+}
+
+impl Drop for PinnedHostMemory {
+    fn drop(&mut self) {
+        self.reclaim();
+    }
+}
+
+impl DeferredRelease for PinnedHostMemory {
+    fn has_deferred(&self) -> bool {
+        self.released.pending.load(Ordering::Relaxed)
+    }
+
+    fn reclaim(&self) {
+        let ptrs = self.released.take();
+        if ptrs.is_empty() {
+            return;
+        }
+        let Ok(_ctx) = self.device.make_current() else {
+            self.released.failed.fetch_add(ptrs.len(), Ordering::Relaxed);
+            return;
+        };
+        for p in ptrs {
+            // SAFETY: every queued pointer came from `cuMemHostAlloc` in `map`, was released by
+            // its owner (nothing uses it), and leaves the queue once.
+            if unsafe { result::free_host(p as *mut std::ffi::c_void) }.is_err() {
+                self.released.failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn failed_releases(&self) -> usize {
+        self.released.failed.load(Ordering::Relaxed)
     }
 }
 
@@ -253,9 +460,7 @@ impl Backend for PinnedHostMemory {
 
     fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
         let _ctx = self.device.make_current()?;
-        // SAFETY: a fresh allocation of `len` bytes; filled below before anything reads it.
-        let p = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(|e| format!("cannot pin {len} bytes of host memory: {e:?}"))?;
+        let p = self.alloc_pinned(len)?;
         let p = NonNull::new(p.cast::<u8>()).ok_or_else(|| "cuMemHostAlloc returned null".to_string())?;
         // Regions are zero-filled by contract (and pinned pages are resident: this is no fault).
         // SAFETY: `p` is `len` bytes of host memory we own.
@@ -263,12 +468,12 @@ impl Backend for PinnedHostMemory {
         Ok(p)
     }
 
+    /// Queues the release for [`DeferredRelease::reclaim`].
+    ///
     /// # Safety
     /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, _len: usize) {
-        let _ctx = self.device.make_current();
-        // SAFETY: the caller guarantees `ptr` came from `map` (cuMemHostAlloc), released once.
-        let _ = unsafe { result::free_host(ptr.as_ptr().cast()) };
+        self.released.push(ptr.as_ptr() as usize);
     }
 
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {

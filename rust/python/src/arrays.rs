@@ -33,7 +33,7 @@ fn not_a_shape(shape: &Bound<'_, PyAny>) -> PyErr {
 const MAX_DIMS: usize = 64;
 
 /// A shape on the stack: allocation-free for the hot path.
-struct Dims {
+pub(crate) struct Dims {
     buf: [npy_intp; MAX_DIMS],
     len: usize,
 }
@@ -52,13 +52,13 @@ impl Dims {
         Ok(())
     }
 
-    fn as_mut_slice(&mut self) -> &mut [npy_intp] {
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [npy_intp] {
         &mut self.buf[..self.len]
     }
 }
 
 /// A shape: an int or a sequence of ints. Tuples (the common case) are read without detours.
-fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
+pub(crate) fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
     let mut dims = Dims::new();
     if let Ok(t) = shape.cast::<PyTuple>() {
         for item in t.iter() {
@@ -91,7 +91,10 @@ fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
     Ok(dims)
 }
 
-fn extract_descr<'py>(py: Python<'py>, dtype: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyArrayDescr>> {
+pub(crate) fn extract_descr<'py>(
+    py: Python<'py>,
+    dtype: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyArrayDescr>> {
     let descr = match dtype {
         None => numpy::dtype::<f64>(py),
         Some(d) if d.is_none() => numpy::dtype::<f64>(py),

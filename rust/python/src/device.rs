@@ -1,18 +1,26 @@
-//! Memory of device workspaces as Python sees it: a [`DeviceBuffer`] owns one workspace block
-//! (device memory, or its host stand-in) and gives it back when the last reference dies, so a
-//! consumer holding the buffer (a DLPack tensor, a CuPy pointer) keeps the memory from being
-//! reused. Also the C functions PyTorch's `CUDAPluggableAllocator` loads from this module.
+//! Memory of device workspaces as Python sees it: a [`Block`] owns one workspace block (device
+//! memory, or its host stand-in) and gives it back when the last owner drops it, so a consumer
+//! holding it (a `DeviceArray`, a DLPack tensor, a CuPy pointer through a [`DeviceBuffer`]) keeps
+//! the memory from being reused. Also the C functions PyTorch's `CUDAPluggableAllocator` loads
+//! from this module.
+//!
+//! Releases leave the hot locks: the CUDA backends queue `cuMemFree` / `cuMemFreeHost`, and
+//! [`reclaim`] runs the queue after the workspace lock is dropped, with the GIL released. A block
+//! a consumer used on another stream goes back to the workspace only once an event recorded on
+//! that stream at release has completed ([`PendingReleases`]): the arena may hand it out at once
+//! afterwards, to any stream.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use rustws_core::cuda::CudaMemory;
+use rustws_core::cuda::{CudaMemory, DeferredRelease, StreamEvent};
 use rustws_core::{Backend, Error};
 
 use crate::arrays::ArrayFields;
@@ -28,16 +36,146 @@ fn align_up(p: usize) -> usize {
     (p + DEVICE_ALIGN - 1) & !(DEVICE_ALIGN - 1)
 }
 
-/// The memory source of a workspace and, for CUDA devices, the device itself (for stream
-/// ordering and memory queries).
-#[derive(Clone)]
-pub(crate) struct Memory {
-    pub(crate) backend: Arc<dyn Backend>,
-    pub(crate) cuda: Option<Arc<CudaMemory>>,
+extern "C" {
+    /// Public C API of every CPython (not in the limited API's headers; see `scope.rs`).
+    fn PyGILState_Check() -> c_int;
 }
 
-/// Allocates `nbytes` at [`DEVICE_ALIGN`] from `shared`; returns (block, aligned pointer).
-pub(crate) fn alloc_aligned(shared: &Shared, nbytes: usize) -> Result<(NonNull<u8>, usize), Error> {
+/// Runs `f` without the GIL when the calling thread holds it (and as it is otherwise).
+fn without_gil(f: impl FnOnce() + Send) {
+    // SAFETY: `PyGILState_Check` only reads the thread state; it is safe with or without the GIL.
+    if unsafe { PyGILState_Check() } == 1 {
+        // SAFETY: the check above says this thread holds the GIL.
+        let py = unsafe { Python::assume_attached() };
+        py.detach(f);
+    } else {
+        f();
+    }
+}
+
+/// Blocks a consumer released on another stream, waiting for that stream's work to pass.
+struct PendingRelease {
+    shared: Arc<Shared>,
+    raw: usize,
+    events: Vec<StreamEvent>,
+}
+
+/// The stream-ordered releases of one device workspace (see the module docs).
+pub(crate) struct PendingReleases {
+    cuda: Arc<CudaMemory>,
+    list: Mutex<Vec<PendingRelease>>,
+    /// Whether `list` holds anything: read without its lock on every allocation.
+    any: AtomicBool,
+}
+
+impl PendingReleases {
+    fn push(&self, release: PendingRelease) {
+        lock(&self.list).push(release);
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// Gives back every block whose events have completed (all of them when `wait`).
+    pub(crate) fn settle(&self, wait: bool) {
+        if !self.any.load(Ordering::Acquire) {
+            return;
+        }
+        let done: Vec<PendingRelease> = {
+            let mut list = lock(&self.list);
+            let mut done = Vec::new();
+            let mut i = 0;
+            while i < list.len() {
+                let passed = list[i].events.iter().all(|e| {
+                    if wait {
+                        self.cuda.wait(e);
+                    }
+                    self.cuda.is_complete(e)
+                });
+                if passed {
+                    done.push(list.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            self.any.store(!list.is_empty(), Ordering::Release);
+            done
+        };
+        for r in done {
+            for e in r.events {
+                self.cuda.destroy_event(e);
+            }
+            if let Some(p) = NonNull::new(r.raw as *mut u8) {
+                // SAFETY: `raw` is a live block of this workspace whose last owner released it
+                // into this list; it leaves the list once.
+                unsafe { r.shared.lock().free(p) };
+            }
+        }
+        if self.cuda.has_deferred() {
+            without_gil(|| self.cuda.reclaim());
+        }
+    }
+}
+
+impl Drop for PendingReleases {
+    fn drop(&mut self) {
+        self.any.store(true, Ordering::Release);
+        self.settle(true);
+    }
+}
+
+/// The memory of a workspace: the workspace itself, its backend and, for CUDA devices, the
+/// device (for stream ordering and memory queries). Shared by the workspace and its blocks.
+pub(crate) struct Memory {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) cuda: Option<Arc<CudaMemory>>,
+    /// A backend whose driver releases wait for [`reclaim`].
+    pub(crate) deferred: Option<Arc<dyn DeferredRelease>>,
+    /// Stream-ordered releases (CUDA devices only).
+    pub(crate) pending: Option<Arc<PendingReleases>>,
+}
+
+/// What a workspace's memory is, before the workspace exists (see [`Memory`]).
+pub(crate) struct Source {
+    pub(crate) backend: Arc<dyn Backend>,
+    cuda: Option<Arc<CudaMemory>>,
+    deferred: Option<Arc<dyn DeferredRelease>>,
+}
+
+impl Source {
+    pub(crate) fn host(backend: Arc<dyn Backend>) -> Self {
+        Source { backend, cuda: None, deferred: None }
+    }
+
+    pub(crate) fn cuda(gpu: Arc<CudaMemory>) -> Self {
+        Source { backend: gpu.clone(), cuda: Some(gpu.clone()), deferred: Some(gpu) }
+    }
+
+    pub(crate) fn with_deferred(backend: Arc<dyn Backend>, deferred: Arc<dyn DeferredRelease>) -> Self {
+        Source { backend, cuda: None, deferred: Some(deferred) }
+    }
+
+    /// The memory of the workspace `shared` over this source.
+    pub(crate) fn into_memory(self, shared: Arc<Shared>) -> Arc<Memory> {
+        let pending = self.cuda.as_ref().map(|gpu| {
+            Arc::new(PendingReleases { cuda: gpu.clone(), list: Mutex::new(Vec::new()), any: AtomicBool::new(false) })
+        });
+        Arc::new(Memory { shared, backend: self.backend, cuda: self.cuda, deferred: self.deferred, pending })
+    }
+}
+
+/// Hands the backend's queued driver releases to the driver: called after the workspace lock
+/// is dropped, and without the GIL.
+pub(crate) fn reclaim(memory: &Memory) {
+    if let Some(d) = &memory.deferred {
+        if d.has_deferred() {
+            without_gil(|| d.reclaim());
+        }
+    }
+}
+
+/// Allocates `nbytes` at [`DEVICE_ALIGN`] from the workspace; returns (block, aligned pointer).
+pub(crate) fn alloc_aligned(memory: &Memory, nbytes: usize) -> Result<(NonNull<u8>, usize), Error> {
+    let shared = &memory.shared;
     let request = nbytes.max(1).checked_add(SLACK).ok_or_else(|| Error::OutOfMemory {
         workspace: shared.name.clone(),
         requested: nbytes as u64,
@@ -45,28 +183,167 @@ pub(crate) fn alloc_aligned(shared: &Shared, nbytes: usize) -> Result<(NonNull<u
         limit: 0,
         reason: "request too large",
     })?;
-    let mut ws = shared.lock();
-    let raw = if ws.is_destroyed() { ws.alloc_unaccounted(request, false) } else { ws.alloc(request) }?;
+    if let Some(p) = &memory.pending {
+        p.settle(false);
+    }
+    let attempt = || {
+        let mut ws = shared.lock();
+        if ws.is_destroyed() {
+            ws.alloc_unaccounted(request, false)
+        } else {
+            ws.alloc(request)
+        }
+    };
+    let raw = match attempt() {
+        Ok(raw) => raw,
+        Err(e) => match &memory.pending {
+            // Blocks still waiting on other streams: wait for them, then try once more.
+            Some(p) if p.any.load(Ordering::Acquire) => {
+                p.settle(true);
+                attempt()?
+            }
+            _ => return Err(e),
+        },
+    };
     Ok((raw, align_up(raw.as_ptr() as usize)))
 }
 
-/// One block of a workspace, at [`DEVICE_ALIGN`]; released when the last reference dies.
-#[pyclass(frozen, module = "rustws._rustws")]
-pub(crate) struct DeviceBuffer {
-    shared: Arc<Shared>,
-    memory: Memory,
+/// One block of a workspace at [`DEVICE_ALIGN`], given back when the last owner drops it.
+pub(crate) struct Block {
+    pub(crate) memory: Arc<Memory>,
     /// The workspace block (freed on drop).
     raw: usize,
-    ptr: usize,
-    nbytes: usize,
+    pub(crate) ptr: usize,
+    pub(crate) nbytes: usize,
+    /// Streams other than the legacy default on which consumers declared they use the block.
+    streams: Mutex<Vec<usize>>,
 }
 
-impl Drop for DeviceBuffer {
+impl Drop for Block {
     fn drop(&mut self) {
-        if let Some(p) = NonNull::new(self.raw as *mut u8) {
-            // SAFETY: `raw` is a live block of this workspace, allocated in `new` and freed only here.
-            unsafe { self.shared.lock().free(p) };
+        let streams = std::mem::take(self.streams.get_mut().unwrap_or_else(|e| e.into_inner()));
+        if let (Some(cuda), Some(pending), false) = (&self.memory.cuda, &self.memory.pending, streams.is_empty()) {
+            let events: Result<Vec<_>, _> = streams.iter().map(|&s| cuda.record_release(s)).collect();
+            match events {
+                Ok(events) => {
+                    pending.push(PendingRelease { shared: self.memory.shared.clone(), raw: self.raw, events });
+                    return;
+                }
+                // No event: the stream's work cannot be followed, so wait for the device.
+                Err(_) => without_gil(|| {
+                    let _ = cudarc_sync(cuda);
+                }),
+            }
         }
+        if let Some(p) = NonNull::new(self.raw as *mut u8) {
+            // SAFETY: `raw` is a live block of this workspace, allocated in `Block::new` and freed
+            // only here.
+            unsafe { self.memory.shared.lock().free(p) };
+        }
+        reclaim(&self.memory);
+    }
+}
+
+/// Waits for all work of the device (the fallback when an event cannot be recorded).
+fn cudarc_sync(cuda: &CudaMemory) -> Result<(), String> {
+    let ev = cuda.record_release(1)?;
+    cuda.wait(&ev);
+    cuda.destroy_event(ev);
+    Ok(())
+}
+
+impl Block {
+    /// A new block of `nbytes` from the workspace, zero-filled when `zeroed`.
+    pub(crate) fn new(memory: &Arc<Memory>, nbytes: usize, zeroed: bool) -> Result<Self, Error> {
+        let (raw, ptr) = alloc_aligned(memory, nbytes)?;
+        let block =
+            Block { memory: memory.clone(), raw: raw.as_ptr() as usize, ptr, nbytes, streams: Mutex::new(Vec::new()) };
+        if zeroed && nbytes > 0 {
+            // SAFETY: the block's `nbytes` bytes lie in the workspace block just allocated.
+            unsafe { memory.backend.zero(block.at(), nbytes) };
+        }
+        Ok(block)
+    }
+
+    pub(crate) fn at(&self) -> NonNull<u8> {
+        // `ptr` is never null: it is aligned up from a live block.
+        NonNull::new(self.ptr as *mut u8).expect("device buffers are never null")
+    }
+
+    fn check_len(&self, what: &str, n: usize) -> PyResult<()> {
+        if n > self.nbytes {
+            return Err(PyValueError::new_err(format!(
+                "{what}: {n} bytes do not fit in a buffer of {} bytes",
+                self.nbytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies the bytes of `array` (a contiguous ndarray, at most `nbytes` long) into the block.
+    pub(crate) fn copy_from_host(&self, py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (src, n) = host_bytes(array, false)?;
+        self.check_len("copy_from_host", n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (dst, src) = (self.at().as_ptr() as usize, src.as_ptr() as usize);
+        let backend = self.memory.backend.clone();
+        // SAFETY: `dst` is this live block (n <= nbytes), `src` the host array held alive by
+        // `array` for the whole call; a host array never overlaps a workspace block it did not
+        // come from, and the bytes are read only.
+        py.detach(|| unsafe {
+            backend.copy_from_host(NonNull::new_unchecked(dst as *mut u8), NonNull::new_unchecked(src as *mut u8), n)
+        })
+        .map_err(|e| to_py(py, Error::Unavailable { what: e }))
+    }
+
+    /// Copies the block's first bytes into `array` (a writeable contiguous ndarray).
+    pub(crate) fn copy_to_host(&self, py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (dst, n) = host_bytes(array, true)?;
+        self.check_len("copy_to_host", n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (dst, src) = (dst.as_ptr() as usize, self.at().as_ptr() as usize);
+        let backend = self.memory.backend.clone();
+        // SAFETY: `src` is this live block (n <= nbytes); `dst` the writeable host array held
+        // alive by `array` for the whole call.
+        py.detach(|| unsafe {
+            backend.copy_to_host(NonNull::new_unchecked(dst as *mut u8), NonNull::new_unchecked(src as *mut u8), n)
+        })
+        .map_err(|e| to_py(py, Error::Unavailable { what: e }))
+    }
+
+    /// Copies `nbytes` bytes from `other` (a block of the same backend) into this one.
+    pub(crate) fn copy_from(&self, other: &Block, nbytes: usize) -> PyResult<()> {
+        self.check_len("copy_from", nbytes)?;
+        other.check_len("copy_from", nbytes)?;
+        if !Arc::ptr_eq(&self.memory.backend, &other.memory.backend) {
+            return Err(PyValueError::new_err("copy_from: the buffers belong to different memory sources"));
+        }
+        if nbytes > 0 && self.ptr != other.ptr {
+            // SAFETY: both are live blocks of this backend, valid for `nbytes`; distinct live
+            // blocks never overlap.
+            unsafe { self.memory.backend.copy(self.at(), other.at(), nbytes) };
+        }
+        Ok(())
+    }
+
+    /// Makes work later submitted to `stream` (DLPack numbering: 1 legacy default, 2
+    /// per-thread default, else a `CUstream` handle) wait for the workspace's own copies and
+    /// fills, and remembers the stream: the block is given back after that stream's work. A
+    /// no-op for memory that is not a CUDA device's.
+    pub(crate) fn order_before(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
+        let Some(cuda) = &self.memory.cuda else { return Ok(()) };
+        cuda.order_before(stream).map_err(|e| to_py(py, Error::Unavailable { what: e }))?;
+        if stream != 1 {
+            let mut streams = lock(&self.streams);
+            if !streams.contains(&stream) {
+                streams.push(stream);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -93,21 +370,10 @@ fn host_bytes(array: &Bound<'_, PyAny>, writeable: bool) -> PyResult<(NonNull<u8
     Ok((data, nbytes))
 }
 
-impl DeviceBuffer {
-    fn check_len(&self, what: &str, n: usize) -> PyResult<()> {
-        if n > self.nbytes {
-            return Err(PyValueError::new_err(format!(
-                "{what}: {n} bytes do not fit in a buffer of {} bytes",
-                self.nbytes
-            )));
-        }
-        Ok(())
-    }
-
-    fn at(&self) -> NonNull<u8> {
-        // `ptr` is never null: it is aligned up from a live block.
-        NonNull::new(self.ptr as *mut u8).expect("device buffers are never null")
-    }
+/// One block of a workspace as a Python object (the owner CuPy's `UnownedMemory` keeps).
+#[pyclass(frozen, module = "rustws._rustws")]
+pub(crate) struct DeviceBuffer {
+    pub(crate) block: Arc<Block>,
 }
 
 #[pymethods]
@@ -115,95 +381,46 @@ impl DeviceBuffer {
     /// The address of the first byte (256-byte aligned).
     #[getter]
     fn ptr(&self) -> usize {
-        self.ptr
+        self.block.ptr
     }
 
     #[getter]
     fn nbytes(&self) -> usize {
-        self.nbytes
+        self.block.nbytes
     }
 
     /// Copies the bytes of `array` (a contiguous ndarray, at most `nbytes` long) into the buffer.
     fn copy_from_host(&self, py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (src, n) = host_bytes(array, false)?;
-        self.check_len("copy_from_host", n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (dst, src) = (self.at().as_ptr() as usize, src.as_ptr() as usize);
-        let backend = self.memory.backend.clone();
-        // SAFETY: `dst` is this live buffer (n <= nbytes), `src` the host array held alive by
-        // `array` for the whole call; a host array never overlaps a workspace block it did not
-        // come from, and the bytes are read only.
-        py.detach(|| unsafe {
-            backend.copy_from_host(NonNull::new_unchecked(dst as *mut u8), NonNull::new_unchecked(src as *mut u8), n)
-        })
-        .map_err(|e| to_py(py, Error::Unavailable { what: e }))
+        self.block.copy_from_host(py, array)
     }
 
     /// Copies the buffer's first bytes into `array` (a writeable contiguous ndarray).
     fn copy_to_host(&self, py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (dst, n) = host_bytes(array, true)?;
-        self.check_len("copy_to_host", n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (dst, src) = (dst.as_ptr() as usize, self.at().as_ptr() as usize);
-        let backend = self.memory.backend.clone();
-        // SAFETY: `src` is this live buffer (n <= nbytes); `dst` the writeable host array held
-        // alive by `array` for the whole call.
-        py.detach(|| unsafe {
-            backend.copy_to_host(NonNull::new_unchecked(dst as *mut u8), NonNull::new_unchecked(src as *mut u8), n)
-        })
-        .map_err(|e| to_py(py, Error::Unavailable { what: e }))
+        self.block.copy_to_host(py, array)
     }
 
     /// Copies `nbytes` bytes from `other` (a buffer of the same workspace's backend) into this one.
     fn copy_from(&self, other: &DeviceBuffer, nbytes: usize) -> PyResult<()> {
-        self.check_len("copy_from", nbytes)?;
-        other.check_len("copy_from", nbytes)?;
-        if !Arc::ptr_eq(&self.memory.backend, &other.memory.backend) {
-            return Err(PyValueError::new_err("copy_from: the buffers belong to different memory sources"));
-        }
-        if nbytes > 0 && self.ptr != other.ptr {
-            // SAFETY: both are live buffers of this backend, valid for `nbytes`; distinct live
-            // blocks never overlap.
-            unsafe { self.memory.backend.copy(self.at(), other.at(), nbytes) };
-        }
-        Ok(())
+        self.block.copy_from(&other.block, nbytes)
     }
 
-    /// Makes work later submitted to `stream` (DLPack numbering: 1 legacy default, 2
-    /// per-thread default, else a `CUstream` handle) wait for the workspace's own copies and
-    /// fills. A no-op for memory that is not a CUDA device's.
+    /// See `Block::order_before`.
     fn order_before(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
-        match &self.memory.cuda {
-            Some(cuda) => cuda.order_before(stream).map_err(|e| to_py(py, Error::Unavailable { what: e })),
-            None => Ok(()),
-        }
+        self.block.order_before(py, stream)
     }
 
     fn __repr__(&self) -> String {
-        format!("<DeviceBuffer {} bytes at {:#x} of workspace {:?}>", self.nbytes, self.ptr, self.shared.name)
+        format!(
+            "<DeviceBuffer {} bytes at {:#x} of workspace {:?}>",
+            self.block.nbytes, self.block.ptr, self.block.memory.shared.name
+        )
     }
 }
 
 impl WorkspaceCore {
-    /// A new buffer of `nbytes` from this workspace, zero-filled when `zeroed`.
-    pub(crate) fn new_buffer(&self, py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<DeviceBuffer> {
-        let (raw, ptr) = alloc_aligned(&self.shared, nbytes).map_err(|e| to_py(py, e))?;
-        let buffer = DeviceBuffer {
-            shared: self.shared.clone(),
-            memory: self.memory.clone(),
-            raw: raw.as_ptr() as usize,
-            ptr,
-            nbytes,
-        };
-        if zeroed && nbytes > 0 {
-            // SAFETY: the buffer's `nbytes` bytes lie in the block just allocated.
-            unsafe { self.memory.backend.zero(buffer.at(), nbytes) };
-        }
-        Ok(buffer)
+    /// A new block of `nbytes` from this workspace, zero-filled when `zeroed`.
+    pub(crate) fn new_block(&self, py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<Block> {
+        Block::new(&self.memory, nbytes, zeroed).map_err(|e| to_py(py, e))
     }
 }
 
@@ -213,11 +430,11 @@ thread_local! {
     /// The workspace this thread's PyTorch allocations go to, and the device it serves. PyTorch
     /// calls the allocator on the thread that allocates, and `use_mem_pool` routes only that
     /// thread's allocations to the pool, so the route is per thread too.
-    static TORCH_TARGET: std::cell::RefCell<Option<(Arc<Shared>, i32)>> = const { std::cell::RefCell::new(None) };
+    static TORCH_TARGET: std::cell::RefCell<Option<(Arc<Memory>, i32)>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Blocks handed to PyTorch, by the pointer it got: (workspace, block).
-type TorchBlocks = HashMap<usize, (Arc<Shared>, usize)>;
+/// Blocks handed to PyTorch, by the pointer it got.
+type TorchBlocks = HashMap<usize, Block>;
 static TORCH_BLOCKS: Mutex<Option<TorchBlocks>> = Mutex::new(None);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -229,7 +446,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[pyfunction]
 #[pyo3(signature = (workspace, ordinal=0))]
 pub(crate) fn torch_route(workspace: Option<&Bound<'_, WorkspaceCore>>, ordinal: i32) {
-    let target = workspace.map(|w| (w.get().shared.clone(), ordinal));
+    let target = workspace.map(|w| (w.get().memory.clone(), ordinal));
     TORCH_TARGET.with(|t| *t.borrow_mut() = target);
 }
 
@@ -238,12 +455,7 @@ pub(crate) fn torch_route(workspace: Option<&Bound<'_, WorkspaceCore>>, ordinal:
 pub(crate) fn torch_blocks() -> (usize, usize) {
     let blocks = lock(&TORCH_BLOCKS);
     let Some(map) = blocks.as_ref() else { return (0, 0) };
-    let bytes = map.values().map(|(s, raw)| {
-        let ws = s.lock();
-        // SAFETY: every entry is a live block of its workspace (removed before it is freed).
-        NonNull::new(*raw as *mut u8).map_or(0, |p| unsafe { ws.block_info(p) }.requested)
-    });
-    (map.len(), bytes.sum())
+    (map.len(), map.values().map(|b| b.nbytes).sum())
 }
 
 /// `void* alloc(ssize_t size, int device, cudaStream_t stream)` for
@@ -253,19 +465,20 @@ pub(crate) fn torch_blocks() -> (usize, usize) {
 #[no_mangle]
 pub extern "C" fn rustws_torch_malloc(size: isize, device: c_int, _stream: *mut c_void) -> *mut c_void {
     catch_unwind(AssertUnwindSafe(|| {
-        let Some((shared, ordinal)) = TORCH_TARGET.try_with(|t| t.borrow().clone()).ok().flatten() else {
+        let Some((memory, ordinal)) = TORCH_TARGET.try_with(|t| t.borrow().clone()).ok().flatten() else {
             return std::ptr::null_mut();
         };
         if device != ordinal || size < 0 {
             return std::ptr::null_mut();
         }
-        match alloc_aligned(&shared, size as usize) {
-            Ok((raw, ptr)) => {
-                lock(&TORCH_BLOCKS).get_or_insert_with(HashMap::new).insert(ptr, (shared, raw.as_ptr() as usize));
+        match Block::new(&memory, size as usize, false) {
+            Ok(block) => {
+                let ptr = block.ptr;
+                lock(&TORCH_BLOCKS).get_or_insert_with(HashMap::new).insert(ptr, block);
                 ptr as *mut c_void
             }
             Err(_) => {
-                shared.lock().record_failure();
+                memory.shared.lock().record_failure();
                 std::ptr::null_mut()
             }
         }
@@ -274,17 +487,18 @@ pub extern "C" fn rustws_torch_malloc(size: isize, device: c_int, _stream: *mut 
 }
 
 /// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`: gives a block back to
-/// the workspace it came from (whichever is routed now). Unknown pointers are ignored.
+/// the workspace it came from (whichever is routed now), after the work PyTorch queued on
+/// `stream` when that is not the legacy default stream. Unknown pointers are ignored.
 #[no_mangle]
-pub extern "C" fn rustws_torch_free(ptr: *mut c_void, _size: isize, _device: c_int, _stream: *mut c_void) {
+pub extern "C" fn rustws_torch_free(ptr: *mut c_void, _size: isize, _device: c_int, stream: *mut c_void) {
     let _ = catch_unwind(AssertUnwindSafe(|| {
         let entry = lock(&TORCH_BLOCKS).as_mut().and_then(|m| m.remove(&(ptr as usize)));
-        if let Some((shared, raw)) = entry {
-            if let Some(p) = NonNull::new(raw as *mut u8) {
-                // SAFETY: `raw` is the live block handed out for `ptr`, removed from the table
-                // above so it is freed once.
-                unsafe { shared.lock().free(p) };
+        if let Some(block) = entry {
+            let stream = stream as usize;
+            if stream > 1 && block.memory.cuda.is_some() {
+                lock(&block.streams).push(stream);
             }
+            drop(block); // gives it back (stream-ordered), outside the table's lock
         }
     }));
 }

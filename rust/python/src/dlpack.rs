@@ -1,15 +1,18 @@
 //! DLPack capsules (the `__dlpack__` protocol): a `DLManagedTensor` in a `"dltensor"` capsule, or
 //! a `DLManagedTensorVersioned` in a `"dltensor_versioned"` capsule for consumers that ask for
-//! DLPack >= 1.0. The tensor's `manager_ctx` holds a strong reference to the Python object that
-//! owns the memory, so the memory lives as long as the consumer's tensor, whoever frees it and
-//! on whatever thread.
+//! DLPack >= 1.0. The tensor's `manager_ctx` holds a strong reference to the workspace block that
+//! owns the memory, so the memory lives as long as the consumer's tensor,
+//! whoever frees it and on whatever thread.
 
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
+
+use crate::device::Block;
 
 const LEGACY: &CStr = c"dltensor";
 const VERSIONED: &CStr = c"dltensor_versioned";
@@ -68,26 +71,13 @@ struct DLManagedTensorVersioned {
     dl_tensor: DLTensor,
 }
 
-/// What a tensor's `manager_ctx` owns: the owner of the memory and the shape and strides the
-/// tensor points into.
+/// What a tensor's `manager_ctx` owns: the workspace block holding the memory (released without
+/// the GIL, from whatever thread the consumer deletes the tensor on) and the shape and strides
+/// the tensor points into.
 struct Context {
-    owner: Option<Py<PyAny>>,
+    _owner: Arc<Block>,
     shape: Vec<i64>,
     strides: Vec<i64>,
-}
-
-impl Drop for Context {
-    fn drop(&mut self) {
-        if let Some(owner) = self.owner.take() {
-            // Consumers may call the deleter from any thread, with or without the GIL. After the
-            // interpreter has shut down the reference can only be leaked.
-            let mut slot = Some(owner);
-            let _ = Python::try_attach(|_py| drop(slot.take()));
-            if let Some(owner) = slot {
-                std::mem::forget(owner);
-            }
-        }
-    }
 }
 
 /// The two managed-tensor structures, as their one deleter sees them.
@@ -137,12 +127,10 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
 /// A DLPack capsule over `ptr` (`shape`, `strides` in elements or None for C order, `dtype` as
 /// DLPack's `(code, bits, lanes)`, on `device` `(type, id)`), keeping `owner` alive until the
 /// consumer deletes the tensor. `versioned` selects the DLPack 1.0 structure and capsule name.
-#[pyfunction]
-#[pyo3(signature = (owner, ptr, shape, strides, dtype, device, versioned, readonly=false, copied=false))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dlpack_capsule(
     py: Python<'_>,
-    owner: Py<PyAny>,
+    owner: Arc<Block>,
     ptr: usize,
     shape: Vec<i64>,
     strides: Option<Vec<i64>>,
@@ -175,7 +163,7 @@ pub(crate) fn dlpack_capsule(
         return Err(PyBufferError::new_err(format!("dtype {dtype:?} cannot be exported through DLPack")));
     }
     let ndim = shape.len() as i32;
-    let mut ctx = Box::new(Context { owner: Some(owner), shape, strides });
+    let mut ctx = Box::new(Context { _owner: owner, shape, strides });
     let tensor = DLTensor {
         data: ptr as *mut c_void,
         device: DLDevice { device_type: device.0, device_id: device.1 },

@@ -5,6 +5,7 @@
 
 mod arrays;
 mod config;
+mod devarray;
 mod device;
 mod dlpack;
 mod handler;
@@ -24,7 +25,8 @@ use rustws_core::{
 
 use arrays::{direct_arrays_supported, ArrayFields, NPY_ARRAY_OWNDATA};
 use config::{config_from_dict, parse_size, validate_config};
-use device::{DeviceBuffer, Memory};
+use devarray::{DeviceArray, DeviceSide, DisposeStatistics};
+use device::{reclaim, DeviceBuffer, Memory, Source};
 use handler::Shared;
 
 /// Raises the Python exception class `name` of `rustws._errors`.
@@ -120,7 +122,9 @@ struct WorkspaceCore {
     /// `use_cycle_detector`: report arrays that outlive their cycle.
     cycle_detector: bool,
     /// Where the memory comes from (and the CUDA device, for device workspaces).
-    pub(crate) memory: Memory,
+    pub(crate) memory: Arc<Memory>,
+    /// Set once for device workspaces: their `empty` / `zeros` return `DeviceArray`s.
+    device: std::sync::OnceLock<DeviceSide>,
 }
 
 impl WorkspaceCore {
@@ -204,34 +208,44 @@ impl WorkspaceCore {
             spec.parse::<usize>()
                 .map_err(|_| PyValueError::new_err(format!("invalid backend {backend:?}: bad ordinal")))
         };
-        let (ws, memory) = match backend {
+        let (ws, source) = match backend {
             None => {
                 let ws = Workspace::new(name, c).map_err(|e| to_py(py, e))?;
-                let memory = Memory { backend: ws.backend().clone(), cuda: None };
-                (ws, memory)
+                let source = Source::host(ws.backend().clone());
+                (ws, source)
             }
             Some(spec) => {
-                let (backend, cuda): (Arc<dyn Backend>, Option<Arc<CudaMemory>>) = if spec == "standin" {
-                    (Arc::new(OpaqueMemory), None)
+                let source = if spec == "standin" {
+                    Source::host(Arc::new(OpaqueMemory))
                 } else if let Some(n) = spec.strip_prefix("cuda:") {
-                    let gpu = Arc::new(CudaMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?);
-                    (gpu.clone(), Some(gpu))
+                    Source::cuda(Arc::new(CudaMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?))
                 } else if let Some(n) = spec.strip_prefix("pinned:") {
-                    (Arc::new(PinnedHostMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?), None)
+                    let pinned = Arc::new(PinnedHostMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?);
+                    Source::with_deferred(pinned.clone(), pinned)
                 } else {
                     return Err(PyValueError::new_err(format!(
                         "invalid backend {spec:?}: expected None, 'cuda:N', 'pinned:N' or 'standin'"
                     )));
                 };
-                let ws = Workspace::with_backend(name, c, backend.clone()).map_err(|e| to_py(py, e))?;
-                (ws, Memory { backend, cuda })
+                let backend: Arc<dyn Backend> = source.backend.clone();
+                let ws = Workspace::with_backend(name, c, backend).map_err(|e| to_py(py, e))?;
+                (ws, source)
             }
         };
         let bypass = ws.debug_mode() == DebugMode::BypassEverything;
         let cycle_detector = ws.config().use_cycle_detector;
         let shared = Arc::new(Shared::new(NEXT_ID.fetch_add(1, Ordering::Relaxed), ws));
         let capsule = handler::new_capsule(py, &shared)?;
-        Ok(WorkspaceCore { shared, capsule, bypass, capture: true.into(), cycle_detector, memory })
+        let memory = source.into_memory(shared.clone());
+        Ok(WorkspaceCore {
+            shared,
+            capsule,
+            bypass,
+            capture: true.into(),
+            cycle_detector,
+            memory,
+            device: std::sync::OnceLock::new(),
+        })
     }
 
     /// The workspace's name.
@@ -265,7 +279,43 @@ impl WorkspaceCore {
         if self.shared.destroyed.load(Ordering::Relaxed) {
             return Err(to_py(py, Error::Destroyed { workspace: self.shared.name.clone() }));
         }
-        self.new_buffer(py, nbytes, zeroed)
+        Ok(DeviceBuffer { block: Arc::new(self.new_block(py, nbytes, zeroed)?) })
+    }
+
+    /// Makes this a device workspace (once): `empty` and `zeros` then return `DeviceArray`s on
+    /// `device` (`"cuda:N"`, or `"cpu"` for host memory), exported to DLPack as `dl`; over the
+    /// workspace's memory when `on_device`, else over host arrays of the workspace.
+    fn _set_device(&self, py: Python<'_>, device: &str, on_device: bool, dl: (i32, i32)) -> PyResult<()> {
+        if on_device && self.shared.host_accessible {
+            return Err(PyValueError::new_err(format!(
+                "workspace {:?} holds host memory: its arrays cannot be device arrays",
+                self.shared.name
+            )));
+        }
+        let side = DeviceSide { name: pyo3::types::PyString::new(py, device).unbind(), dl, on_device };
+        self.device.set(side).map_err(|_| PyValueError::new_err("the workspace's device is already set"))
+    }
+
+    /// The DLPack device of a device workspace (None for a host workspace).
+    #[getter]
+    fn _dl(&self) -> Option<(i32, i32)> {
+        self.device.get().map(|d| d.dl)
+    }
+
+    /// Whether the arrays of a device workspace live in device memory.
+    #[getter]
+    fn _on_device(&self) -> bool {
+        self.device.get().is_some_and(|d| d.on_device)
+    }
+
+    /// Hands the driver releases the backend queued to the driver now (they also go at the end
+    /// of each cycle and after each release); returns how many releases the driver refused so far.
+    fn _reclaim(&self) -> usize {
+        if let Some(p) = &self.memory.pending {
+            p.settle(false);
+        }
+        reclaim(&self.memory);
+        self.memory.deferred.as_ref().map_or(0, |d| d.failed_releases())
     }
 
     /// Free and total bytes of this workspace's CUDA device (None for other memory).
@@ -354,6 +404,7 @@ impl WorkspaceCore {
         let popped = scope::pop(py, slf.as_any(), slf.as_any(), || me.entered_elsewhere())?;
         if !me.shared.destroyed.load(Ordering::Relaxed) {
             let exited = me.shared.lock().exit();
+            reclaim(&me.memory);
             let r = exited.map_err(|e| to_py(py, e))?;
             let failures = me.shared.has_failures.load(Ordering::Relaxed);
             let leaked = r.completed && r.escaped_blocks > 0 && me.cycle_detector;
@@ -431,6 +482,7 @@ impl WorkspaceCore {
     /// Closes what `_open_cycle` opened.
     fn _close_cycle(&self, py: Python<'_>) -> PyResult<()> {
         let exited = self.shared.lock().exit();
+        reclaim(&self.memory);
         exited.map(|_| ()).map_err(|e| to_py(py, e))
     }
 
@@ -444,30 +496,50 @@ impl WorkspaceCore {
     fn _destroy(&self) {
         self.shared.destroyed.store(true, Ordering::Relaxed);
         self.shared.lock().destroy();
+        reclaim(&self.memory);
     }
 
-    /// A new uninitialised array over workspace memory.
+    /// A new uninitialised array over workspace memory: an ndarray, or a `DeviceArray` for a
+    /// device workspace.
     #[pyo3(signature = (shape, dtype=None, order="C"))]
     fn empty<'py>(
-        &self,
-        py: Python<'py>,
+        slf: &Bound<'py, Self>,
         shape: &Bound<'py, PyAny>,
         dtype: Option<&Bound<'py, PyAny>>,
         order: &str,
     ) -> PyResult<Bound<'py, PyAny>> {
-        self.new_array(py, shape, dtype, order, false)
+        match slf.get().device.get() {
+            Some(side) => WorkspaceCore::device_array(slf, side, shape, dtype, order, false),
+            None => slf.get().new_array(slf.py(), shape, dtype, order, false),
+        }
     }
 
-    /// A new zero-filled array over workspace memory.
+    /// A new zero-filled array over workspace memory: an ndarray, or a `DeviceArray` for a
+    /// device workspace.
     #[pyo3(signature = (shape, dtype=None, order="C"))]
     fn zeros<'py>(
+        slf: &Bound<'py, Self>,
+        shape: &Bound<'py, PyAny>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        order: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match slf.get().device.get() {
+            Some(side) => WorkspaceCore::device_array(slf, side, shape, dtype, order, true),
+            None => slf.get().new_array(slf.py(), shape, dtype, order, true),
+        }
+    }
+
+    /// A new ndarray over workspace memory (refused for device memory), whatever the workspace.
+    #[pyo3(signature = (shape, dtype=None, order="C", zeroed=false))]
+    fn _ndarray<'py>(
         &self,
         py: Python<'py>,
         shape: &Bound<'py, PyAny>,
         dtype: Option<&Bound<'py, PyAny>>,
         order: &str,
+        zeroed: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        self.new_array(py, shape, dtype, order, true)
+        self.new_array(py, shape, dtype, order, zeroed)
     }
 
     fn __repr__(&self) -> String {
@@ -492,7 +564,13 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkspaceCore>()?;
     m.add_class::<DeviceBuffer>()?;
     m.add_class::<scope::Scope>()?;
-    m.add_function(wrap_pyfunction!(dlpack::dlpack_capsule, m)?)?;
+    m.add_class::<DeviceArray>()?;
+    m.add_class::<DisposeStatistics>()?;
+    m.add_function(wrap_pyfunction!(devarray::wrap_host, m)?)?;
+    m.add_function(wrap_pyfunction!(devarray::dispose_statistics, m)?)?;
+    m.add_function(wrap_pyfunction!(devarray::dispose_push, m)?)?;
+    m.add_function(wrap_pyfunction!(devarray::dispose_remove, m)?)?;
+    m.add_function(wrap_pyfunction!(devarray::dispose_chain, m)?)?;
     m.add_function(wrap_pyfunction!(device::torch_route, m)?)?;
     m.add_function(wrap_pyfunction!(device::torch_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;

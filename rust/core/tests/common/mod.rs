@@ -2,19 +2,33 @@
 
 #![allow(dead_code)]
 
+#[cfg(feature = "cuda")]
+pub mod standin;
+
 use std::sync::Arc;
 
 use rustws_core::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor, OpaqueMemory};
 
-/// Every host backend, plus an adaptor over one, by name.
+/// Every host backend, an adaptor over one, and the CUDA backends over the driver stand-in,
+/// by name.
 pub fn backends() -> Vec<(&'static str, Arc<dyn Backend>)> {
-    vec![
+    #[allow(unused_mut)]
+    let mut all: Vec<(&'static str, Arc<dyn Backend>)> = vec![
         ("anonymous", Arc::new(AnonymousMemory)),
         ("mmap-file", Arc::new(FileMappedMemory::new(std::env::temp_dir()))),
         ("heap", Arc::new(HeapMemory)),
         ("opaque (device stand-in)", Arc::new(OpaqueMemory)),
         ("limit(anonymous)", Arc::new(LimitAdaptor::new(Arc::new(AnonymousMemory), 1 << 34))),
-    ]
+    ];
+    #[cfg(feature = "cuda")]
+    {
+        standin::load();
+        let cuda = rustws_core::cuda::CudaMemory::new(0).expect("the driver stand-in serves device 0");
+        let pinned = rustws_core::cuda::PinnedHostMemory::new(0).expect("the driver stand-in serves device 0");
+        all.push(("cuda (driver stand-in)", Arc::new(cuda)));
+        all.push(("cuda-pinned-host (driver stand-in)", Arc::new(pinned)));
+    }
+    all
 }
 
 /// Fills `len` bytes at `p` with a pattern derived from `seed`.
