@@ -78,6 +78,20 @@ def _system_s() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_stime
 
 
+def peak_rss_kib() -> int:
+    """This process's peak resident set in KiB: ``VmHWM``, the high-water mark of its own address
+    space. (``ru_maxrss`` survives ``exec``, so a child started by a large parent would report
+    at least the parent's peak.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def _w1_body(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     a = x * w
     b = a + 1
@@ -85,11 +99,11 @@ def _w1_body(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def sklearn_available() -> bool:
-    try:
-        import sklearn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether scikit-learn is installed (without importing it: the parent's size would show in
+    every worker it starts)."""
+    import importlib.util
+
+    return importlib.util.find_spec("sklearn") is not None
 
 
 def _first_cycle_workload(family: str, variant: str, steps: int) -> tuple[Any, int, int]:
@@ -180,7 +194,7 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
             "step_s": statistics.median(times),
             "faults_per_step": (_faults() - f0) / n,
             "system_s_per_step": (_system_s() - s0) / n,
-            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "peak_rss_kib": peak_rss_kib(),
             **({"stats": bench_ws.stats().as_dict()} if bench_ws is not None else {}),
         }
     if family in ("W1", "W2", "W4", "W6"):
@@ -261,7 +275,7 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
         "step_s": statistics.median(times),
         "faults_per_step": faults,
         "system_s_per_step": (_system_s() - s0) / (steps * per_call),
-        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "peak_rss_kib": peak_rss_kib(),
         **extra,
     }
     if ws is not None:

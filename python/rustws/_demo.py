@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ._bench import peak_rss_kib as _peak_rss_kib
 from ._progress import progress
 
 HIDDEN = 512
@@ -168,7 +169,7 @@ def _train(variant: str, epochs: int, batches_per_epoch: int, seed: int) -> dict
         "epoch_s": epoch_times,
         "faults": usage.ru_minflt - f0,
         "steps": len(losses),
-        "peak_rss_kib": usage.ru_maxrss,
+        "peak_rss_kib": _peak_rss_kib(),
         "timeline": timeline,
     }
     if variant == "rustws":

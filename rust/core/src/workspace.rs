@@ -880,6 +880,17 @@ impl Workspace {
             unsafe { self.put_huge(p.sub(HEADER), slot) };
             return;
         }
+        if kind == BlockKind::Arena {
+            // SAFETY: the caller guarantees a live header.
+            let id = unsafe { hp.as_ref() }.region;
+            // Before any counter changes: a block of no region of ours is a foreign pointer, and
+            // the panic must leave the workspace's accounts as they were.
+            assert!(
+                self.region.iter().chain(self.retired.iter()).any(|r| r.id() == id),
+                "free of a block of an unknown region in workspace {:?}",
+                self.name
+            );
+        }
         if kind != BlockKind::Bypass {
             self.live_slot_bytes -= slot;
             if gen != self.generation {
