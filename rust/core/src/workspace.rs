@@ -33,7 +33,7 @@ pub const PREFAULT_LIMIT: usize = 1 << 30;
 pub const HUGE_BLOCK_MIN: usize = 64 << 20;
 
 /// Huge mappings kept for reuse once freed, at most.
-const HUGE_CACHE_BLOCKS: usize = 4;
+const HUGE_CACHE_BLOCKS: usize = 2;
 
 /// A cached huge mapping unused for this many cycles is released.
 const HUGE_CACHE_CYCLES: u64 = 2;
@@ -701,14 +701,10 @@ impl Workspace {
                 (m.at, m.len)
             }
             None => {
-                let at = self.backend.map(len, false).or_else(|first| {
-                    // Memory held in the cache may be what the system lacks.
-                    if self.huge_cache.is_empty() {
-                        return Err(first);
-                    }
-                    self.release_huge_cache(|_| true);
-                    self.backend.map(len, false)
-                });
+                // What is cached does not recur: it goes back before more is mapped, so that huge
+                // requests of changing sizes (one long cycle over varied work) never add up.
+                self.release_huge_cache(|_| true);
+                let at = self.backend.map(len, false);
                 let at = at.map_err(|detail| {
                     self.failed_allocations += 1;
                     Error::SystemOutOfMemory { workspace: self.name.clone(), requested: size as u64, detail }
