@@ -33,7 +33,7 @@ pub const PREFAULT_LIMIT: usize = 1 << 30;
 pub const HUGE_BLOCK_MIN: usize = 64 << 20;
 
 /// Huge mappings kept for reuse once freed, at most.
-const HUGE_CACHE_BLOCKS: usize = 2;
+const HUGE_CACHE_BLOCKS: usize = 8;
 
 /// A cached huge mapping unused for this many cycles is released.
 const HUGE_CACHE_CYCLES: u64 = 2;

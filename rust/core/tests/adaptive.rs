@@ -294,3 +294,41 @@ fn a_long_learning_cycle_maps_its_arena_before_it_ends() {
         }
     }
 }
+
+#[test]
+fn huge_mappings_are_reused_while_their_size_recurs_and_released_when_it_stops() {
+    let mut w = Workspace::new("HUGE", WorkspaceConfiguration::adaptive()).unwrap();
+    let huge = HUGE_BLOCK_MIN;
+    let mut first = None;
+    for _ in 0..3 {
+        w.enter().unwrap();
+        let (a, b) = (w.alloc(huge).unwrap(), w.alloc(huge).unwrap());
+        first.get_or_insert(a);
+        // SAFETY: live, freed once.
+        unsafe {
+            w.free(a);
+            w.free(b);
+        }
+        w.exit().unwrap();
+        assert_eq!(w.huge_cached().0, 2, "both mappings kept for the next cycle");
+    }
+    w.enter().unwrap();
+    let again = w.alloc(huge).unwrap();
+    assert!(Some(again) == first || w.huge_cached().0 == 1, "a cached mapping is reused");
+    // A huge request of another size: what is cached does not recur and goes back first.
+    let other = w.alloc(2 * huge).unwrap();
+    assert_eq!(w.huge_cached(), (0, 0));
+    // SAFETY: live, freed once.
+    unsafe {
+        w.free(other);
+        w.free(again);
+    }
+    w.exit().unwrap();
+    assert_eq!(w.huge_cached().0, 2);
+    // Cycles without huge requests release them.
+    for _ in 0..3 {
+        body(&mut w, 3, 64 * KIB);
+    }
+    assert_eq!(w.huge_cached(), (0, 0));
+    assert_eq!(w.stats().external_bytes, 0);
+}
