@@ -50,8 +50,8 @@ class _Plain:
     def scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
-    def place(self, name: str, a: np.ndarray) -> np.ndarray:
-        return a
+    def create(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return np.empty(shape, np.float32)
 
 
 class _Managed:
@@ -74,39 +74,43 @@ class _Managed:
     def scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
         return self.mgr.notify_scope_entered(self.types[name])
 
-    def place(self, name: str, a: np.ndarray) -> np.ndarray:
-        return self.mgr.leverage_to(self.types[name], a)
+    def create(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return self.mgr.create(self.types[name], shape, np.float32)
 
 
 def _step(params: list[np.ndarray], vel: list[np.ndarray], x: np.ndarray, y: np.ndarray, mem: Any) -> float:
     w1, b1, w2, b2, w3, b3 = params
     n = len(y)
+    # As DL4J's layers do: a layer's output is made in its ArrayType's workspace and written there
+    # (`out=`); only the temporaries of computing it come from working memory.
     with mem.scope("ACTIVATIONS"), mem.scope("ACTIVATION_GRAD"):
         with mem.scope("FF_WORKING_MEM"):
-            h1 = mem.place("ACTIVATIONS", np.maximum(x @ w1 + b1, 0))
-            h2 = mem.place("ACTIVATIONS", np.maximum(h1 @ w2 + b2, 0))
+            h1 = np.maximum(x @ w1 + b1, 0, out=mem.create("ACTIVATIONS", (n, w1.shape[1])))
+            h2 = np.maximum(h1 @ w2 + b2, 0, out=mem.create("ACTIVATIONS", (n, w2.shape[1])))
             logits = h2 @ w3 + b3
             logits -= logits.max(axis=1, keepdims=True)
-            p = np.exp(logits)
-            p /= p.sum(axis=1, keepdims=True)
-            loss = float(-np.log(p[np.arange(n), y] + 1e-12).mean())
-            d = mem.place("ACTIVATION_GRAD", p)
+            d = np.exp(logits, out=mem.create("ACTIVATION_GRAD", logits.shape))
+            d /= d.sum(axis=1, keepdims=True)
+            loss = float(-np.log(d[np.arange(n), y] + 1e-12).mean())
         with mem.scope("BP_WORKING_MEM"):
             d[np.arange(n), y] -= 1
             d /= n
-            grads = [h2.T @ d, d.sum(0)]
-            d2 = mem.place("ACTIVATION_GRAD", (d @ w3.T) * (h2 > 0))
-            grads = [h1.T @ d2, d2.sum(0), *grads]
+            gw3 = np.matmul(h2.T, d, out=mem.create("ACTIVATION_GRAD", w3.shape))
+            gb3 = np.sum(d, axis=0, out=mem.create("ACTIVATION_GRAD", b3.shape))
+            d2 = np.multiply(d @ w3.T, h2 > 0, out=mem.create("ACTIVATION_GRAD", h2.shape))
+            gw2 = np.matmul(h1.T, d2, out=mem.create("ACTIVATION_GRAD", w2.shape))
+            gb2 = np.sum(d2, axis=0, out=mem.create("ACTIVATION_GRAD", b2.shape))
             d1 = (d2 @ w2.T) * (h1 > 0)
-            grads = [x.T @ d1, d1.sum(0), *grads]
-            grads = [mem.place("ACTIVATION_GRAD", g) for g in grads]
+            gw1 = np.matmul(x.T, d1, out=mem.create("ACTIVATION_GRAD", w1.shape))
+            gb1 = np.sum(d1, axis=0, out=mem.create("ACTIVATION_GRAD", b1.shape))
+            grads = [gw1, gb1, gw2, gb2, gw3, gb3]
         with mem.scope("UPDATER_WORKING_MEM"):
             for param, v, g in zip(params, vel, grads, strict=True):
                 v *= 0.9
                 v -= 0.05 * g
                 param += v
         # Nothing of this step outlives its cycles: the workspaces rewind without pinning.
-        del h1, h2, logits, p, d, d1, d2, grads, g
+        del h1, h2, logits, d, d1, d2, grads, g, gw1, gb1, gw2, gb2, gw3, gb3
     return loss
 
 
