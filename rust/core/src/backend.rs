@@ -670,6 +670,40 @@ impl Backend for OpaqueMemory {
     }
 }
 
+/// The data-access methods of an adaptor whose data lives in its `upstream` backend: zeroing
+/// and copying go straight through.
+macro_rules! forward_data_access {
+    () => {
+        /// # Safety
+        /// As for [`Backend::zero`].
+        unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
+            // SAFETY: forwarded with the caller's guarantee.
+            unsafe { self.upstream.zero(ptr, len) }
+        }
+
+        /// # Safety
+        /// As for [`Backend::copy`].
+        unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
+            // SAFETY: forwarded with the caller's guarantee.
+            unsafe { self.upstream.copy(dst, src, len) }
+        }
+
+        /// # Safety
+        /// As for [`Backend::copy_to_host`].
+        unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+            // SAFETY: forwarded with the caller's guarantee.
+            unsafe { self.upstream.copy_to_host(dst, src, len) }
+        }
+
+        /// # Safety
+        /// As for [`Backend::copy_from_host`].
+        unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+            // SAFETY: forwarded with the caller's guarantee.
+            unsafe { self.upstream.copy_from_host(dst, src, len) }
+        }
+    };
+}
+
 /// Refuses once the bytes it holds would exceed `limit`: failure injection for tests, and a hard
 /// cap for users (RMM's `limiting_resource_adaptor`).
 #[derive(Debug)]
@@ -766,33 +800,7 @@ impl Backend for LimitAdaptor {
         })
     }
 
-    /// # Safety
-    /// As for [`Backend::zero`].
-    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.zero(ptr, len) }
-    }
-
-    /// # Safety
-    /// As for [`Backend::copy`].
-    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.copy(dst, src, len) }
-    }
-
-    /// # Safety
-    /// As for [`Backend::copy_to_host`].
-    unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.copy_to_host(dst, src, len) }
-    }
-
-    /// # Safety
-    /// As for [`Backend::copy_from_host`].
-    unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.copy_from_host(dst, src, len) }
-    }
+    forward_data_access!();
 }
 
 /// Fails chosen calls of `map` and `alloc_block` on its upstream with the error the system would
@@ -900,33 +908,7 @@ impl Backend for FaultAdaptor {
         self.upstream.discard(ptr, len);
     }
 
-    /// # Safety
-    /// As for [`Backend::zero`].
-    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.zero(ptr, len) }
-    }
-
-    /// # Safety
-    /// As for [`Backend::copy`].
-    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.copy(dst, src, len) }
-    }
-
-    /// # Safety
-    /// As for [`Backend::copy_to_host`].
-    unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.copy_to_host(dst, src, len) }
-    }
-
-    /// # Safety
-    /// As for [`Backend::copy_from_host`].
-    unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.copy_from_host(dst, src, len) }
-    }
+    forward_data_access!();
 }
 
 /// Rounds `n` up to a multiple of the system page size.
