@@ -106,13 +106,10 @@ def sklearn_available() -> bool:
     return importlib.util.find_spec("sklearn") is not None
 
 
-def _first_cycle_workload(family: str, variant: str, steps: int) -> tuple[Any, int, int]:
-    """W5, SKLEARN and SPARSE: what one process measures (a fresh workspace each time)."""
+def _first_cycle_workload(family: str, ws: Any, steps: int) -> tuple[Any, int, int]:
+    """W5, SKLEARN and SPARSE, on a fresh workspace ``ws`` (None: plain NumPy): the function to
+    time, the steps one call makes and the number of calls."""
     import contextlib
-
-    import rustws
-
-    ws = rustws.workspace("BENCH") if variant == "rustws" else None
 
     def cycle() -> contextlib.AbstractContextManager[Any]:
         return ws if ws is not None else contextlib.nullcontext()
@@ -177,27 +174,12 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
     times: list[float] = []
     warmup = WARMUP
     extra: dict[str, Any] = {}
+    repeat = steps
     if family in ("W5", "SKLEARN", "SPARSE"):
         # First cycles on a fresh workspace: no warm-up; W5 and the fit are one cycle each.
-        ws = None
-        run, per_call, repeat = _first_cycle_workload(family, variant, steps)
-        f0, s0 = _faults(), _system_s()
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) / per_call)
-        n = repeat * per_call
-        import rustws as _r
-
-        bench_ws = _r.get_workspace("BENCH")
-        return {
-            "step_s": statistics.median(times),
-            "faults_per_step": (_faults() - f0) / n,
-            "system_s_per_step": (_system_s() - s0) / n,
-            "peak_rss_kib": peak_rss_kib(),
-            **({"stats": bench_ws.stats().as_dict()} if bench_ws is not None else {}),
-        }
-    if family in ("W1", "W2", "W4", "W6"):
+        run, per_call, repeat = _first_cycle_workload(family, ws, steps)
+        warmup = 0
+    elif family in ("W1", "W2", "W4", "W6"):
         assert nbytes is not None
         n = nbytes // 4
         x = np.random.default_rng(0).random(n, dtype=np.float32)
@@ -266,15 +248,15 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
     for _ in range(warmup):
         run()
     f0, s0 = _faults(), _system_s()
-    for _ in range(steps):
+    for _ in range(repeat):
         t0 = time.perf_counter()
         run()
         times.append((time.perf_counter() - t0) / per_call)
-    faults = (_faults() - f0) / (steps * per_call)
+    n = repeat * per_call
     out: dict[str, Any] = {
         "step_s": statistics.median(times),
-        "faults_per_step": faults,
-        "system_s_per_step": (_system_s() - s0) / (steps * per_call),
+        "faults_per_step": (_faults() - f0) / n,
+        "system_s_per_step": (_system_s() - s0) / n,
         "peak_rss_kib": peak_rss_kib(),
         **extra,
     }

@@ -18,6 +18,7 @@ import pytest
 import rustws
 
 _WORKSPACE = "PYTEST"
+_SESSION_KEY = pytest.StashKey[rustws.Workspace]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -73,6 +74,3 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
             f"{s.allocation_count} allocations, {s.spill_count} spilled, "
             f"arena {s.capacity_bytes} bytes"
         )
-
-
-_SESSION_KEY = pytest.StashKey[rustws.Workspace]()

@@ -134,9 +134,6 @@ pub struct ArenaRegion {
     /// the system since): a zeroed request carved there needs no write. Blocks carved in the
     /// current never-carved tail are accounted for when the tail closes (see `carved_end`).
     dirty_end: usize,
-    /// Whether the region was retired: nothing is carved here any more, and freed memory goes
-    /// back to the system as it accumulates.
-    retired: bool,
     /// Bytes from the start made resident when the region was mapped (pre-faulted).
     prefaulted: usize,
 }
@@ -147,15 +144,11 @@ pub struct ArenaRegion {
 unsafe impl Send for ArenaRegion {}
 
 impl ArenaRegion {
-    /// Maps a region of `capacity` bytes (a multiple of 64) from `backend`, with its first
-    /// `prefault` bytes made resident now (page-rounded; the rest faults in on first use).
-    pub fn new(id: u32, capacity: usize, backend: Arc<dyn Backend>, prefault: usize) -> Result<Self, String> {
+    /// Maps a region of `capacity` bytes (a multiple of 64) from `backend`. Its pages fault in
+    /// on first use, or earlier through [`ArenaRegion::populate`].
+    pub fn new(id: u32, capacity: usize, backend: Arc<dyn Backend>) -> Result<Self, String> {
         debug_assert_eq!(capacity % BLOCK_ALIGN, 0);
-        let prefault = crate::backend::round_to_page(prefault);
-        let data = backend.map(capacity, prefault >= capacity)?;
-        if prefault > 0 && prefault < capacity {
-            backend.populate(data, prefault);
-        }
+        let data = backend.map(capacity, false)?;
         let meta = if backend.host_accessible() {
             data
         } else {
@@ -182,8 +175,7 @@ impl ArenaRegion {
             freed_since_scan: 0,
             live_prefix: 0,
             dirty_end: 0,
-            retired: false,
-            prefaulted: prefault.min(capacity),
+            prefaulted: 0,
         };
         region.take_tail(0);
         Ok(region)
@@ -206,23 +198,16 @@ impl ArenaRegion {
         off >= self.dirty_end
     }
 
-    /// Makes the first `len` bytes resident now (page-rounded), as the pre-fault of `new` does.
-    pub fn populate(&mut self, len: usize) {
+    /// Makes the first `len` bytes resident now (page-rounded); returns the bytes this added.
+    pub fn populate(&mut self, len: usize) -> usize {
         let len = crate::backend::round_to_page(len).min(self.capacity);
-        if len > self.prefaulted {
-            self.backend.populate(self.data, len);
-            self.prefaulted = len;
+        if len <= self.prefaulted {
+            return 0;
         }
-    }
-
-    /// Bytes from the start made resident by pre-faulting.
-    pub fn prefaulted_bytes(&self) -> usize {
-        self.prefaulted
-    }
-
-    /// Whether the region was retired.
-    pub fn is_retired(&self) -> bool {
-        self.retired
+        self.backend.populate(self.data, len);
+        let added = len - self.prefaulted;
+        self.prefaulted = len;
+        added
     }
 
     /// Bytes freed since the last walk or retirement scan.
@@ -539,7 +524,6 @@ impl ArenaRegion {
     /// in it live: no more allocation happens here, so the pages of its free runs go back to the
     /// system and only pages under live blocks stay resident. O(blocks), once.
     pub fn retire(&mut self) {
-        self.retired = true;
         self.freed_since_scan = 0;
         self.close_hole();
         let page = crate::backend::page_bytes();

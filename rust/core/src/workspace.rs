@@ -170,12 +170,8 @@ pub struct Workspace {
     initialized: bool,
     destroyed: bool,
     grow_at_cycle_end: bool,
-    /// `policy_learning` is ADAPTIVE.
-    adaptive: bool,
     /// Huge requests get mappings of their own (host memory the workspace maps itself).
     huge_blocks: bool,
-    /// Fresh memory reads as zero (the backend's regions and blocks are zero-filled host memory).
-    fresh_is_zero: bool,
     huge_cache: Vec<CachedMapping>,
     /// Live huge mappings: their total length.
     huge_live_len: usize,
@@ -236,9 +232,7 @@ impl Workspace {
     ) -> Result<Self, Error> {
         config.validate()?;
         let debug = config.effective_debug_mode();
-        let adaptive = config.policy_learning == LearningPolicy::Adaptive;
-        let host = backend.host_accessible();
-        let huge_blocks = host && config.policy_location == LocationPolicy::Ram;
+        let huge_blocks = backend.host_accessible() && config.policy_location == LocationPolicy::Ram;
         let mut ws = Workspace {
             name: name.into(),
             initialized: config.policy_learning == LearningPolicy::None,
@@ -255,9 +249,7 @@ impl Workspace {
             learner: CycleLearner::default(),
             destroyed: false,
             grow_at_cycle_end: false,
-            adaptive,
             huge_blocks,
-            fresh_is_zero: host,
             huge_cache: Vec::new(),
             huge_live_len: 0,
             cycle_churn: 0,
@@ -367,7 +359,7 @@ impl Workspace {
             return Ok(());
         }
         let id = self.next_region_id;
-        let region = ArenaRegion::new(id, cap, self.backend.clone(), 0).map_err(|detail| Error::SystemOutOfMemory {
+        let region = ArenaRegion::new(id, cap, self.backend.clone()).map_err(|detail| Error::SystemOutOfMemory {
             workspace: self.name.clone(),
             requested: cap as u64,
             detail,
@@ -431,9 +423,7 @@ impl Workspace {
     fn prefault_now(&mut self) {
         let want = std::mem::take(&mut self.pending_prefault).min(available_memory() / 4);
         if let Some(r) = self.region.as_mut() {
-            let before = r.prefaulted_bytes();
-            r.populate(want);
-            self.prefaulted_bytes += (r.prefaulted_bytes() - before) as u64;
+            self.prefaulted_bytes += r.populate(want) as u64;
         }
     }
 
@@ -454,7 +444,7 @@ impl Workspace {
         let need = self.cycle_slot_peak + (self.live_slot_bytes - self.pinned_slot_bytes);
         let learning = !self.initialized;
         let region_before = self.region.as_ref().map(|r| r.id());
-        if self.adaptive {
+        if self.adaptive() {
             self.adapt(need);
         } else if learning {
             self.learner.need = self.learner.need.max(need);
@@ -514,7 +504,7 @@ impl Workspace {
         let cur = self.region.as_ref().map_or(0, |r| r.capacity());
         let grow = target > cur || (self.grow_at_cycle_end && target > 0);
         // Shrink only well below the current size, so cycles that vary a little never remap.
-        let shrink = cur > target.saturating_add(target / 10).max(crate::backend::round_to_page(1));
+        let shrink = cur > target.saturating_add(target / 10).max(round_to_page(1));
         if grow || shrink {
             // After spills with room enough on paper (fragmentation around pinned blocks), a
             // fresh region of the same size leaves the pinned blocks behind in the old one.
@@ -548,11 +538,12 @@ impl Workspace {
     fn carve_arena(&mut self, size: usize, slot: usize, zeroed: bool) -> Option<NonNull<u8>> {
         let region = self.region.as_mut()?;
         let off = region.carve(slot)?;
-        let fresh = region.is_fresh(off);
+        // Host memory is zero-filled when mapped: never-carved memory needs no write.
+        let clear = zeroed && !(self.inline_headers && region.is_fresh(off));
         // SAFETY: `off` was just carved for this slot.
         let p = unsafe { region.hand_out(off, slot, size, self.generation) };
         self.count_arena(slot, size);
-        if zeroed && !(fresh && self.fresh_is_zero) {
+        if clear {
             // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
             unsafe { self.backend.zero(p, size) };
         }
@@ -612,7 +603,7 @@ impl Workspace {
             && size >= HUGE_BLOCK_MIN
             && size >= self.learner.need / 2;
         if huge {
-            ext = crate::backend::round_to_page(slot);
+            ext = round_to_page(slot);
         }
         if self.config.max_size > 0 && self.footprint().saturating_add(ext as u64) > self.config.max_size {
             self.failed_allocations += 1;
@@ -637,7 +628,7 @@ impl Workspace {
         if spill {
             self.spill_count += 1;
             if self.config.policy_spill == SpillPolicy::Reallocate
-                || self.adaptive
+                || self.adaptive()
                 || (self.config.policy_learning == LearningPolicy::OverTime
                     && self.config.policy_spill != SpillPolicy::Fail)
             {
@@ -647,13 +638,17 @@ impl Workspace {
         Ok(p)
     }
 
+    fn adaptive(&self) -> bool {
+        self.config.policy_learning == LearningPolicy::Adaptive
+    }
+
     /// Whether an open cycle may map a (larger) arena before it ends: a learning cycle, or any
     /// cycle of the adaptive profile.
     fn maps_within_cycles(&self) -> bool {
         self.depth > 0
             && self.uses_arena()
             && self.config.policy_reset == ResetPolicy::BlockLeft
-            && (self.adaptive || (!self.initialized && self.config.policy_learning != LearningPolicy::None))
+            && (self.adaptive() || (!self.initialized && self.config.policy_learning != LearningPolicy::None))
     }
 
     /// The open cycle has churned through external memory: maps a provisional arena for its
@@ -684,14 +679,13 @@ impl Workspace {
     /// pages: a fresh mapping is zero without being written).
     #[cold]
     fn alloc_huge(&mut self, size: usize, len: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
-        let reuse = !zeroed || self.backend.discard_zeroes();
-        let fit = self
-            .huge_cache
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| reuse && m.len >= len && m.len - len <= len / 4)
-            .min_by_key(|(_, m)| m.len)
-            .map(|(i, _)| i);
+        let reusable = !zeroed || self.backend.discard_zeroes();
+        let fits = |m: &CachedMapping| m.len >= len && m.len - len <= len / 4;
+        let fit = if reusable {
+            (0..self.huge_cache.len()).filter(|&i| fits(&self.huge_cache[i])).min_by_key(|&i| self.huge_cache[i].len)
+        } else {
+            None
+        };
         let (at, len) = match fit {
             Some(i) => {
                 let m = self.huge_cache.swap_remove(i);
@@ -899,7 +893,8 @@ impl Workspace {
                 // SAFETY: the header is live, not borrowed, and names the region that handed it out.
                 unsafe { self.release_arena(hp) };
             }
-            BlockKind::External | BlockKind::Bypass | BlockKind::Huge => {
+            BlockKind::Huge => unreachable!("huge blocks return to the cache above"),
+            BlockKind::External | BlockKind::Bypass => {
                 if kind == BlockKind::External {
                     self.external_bytes -= size as u64;
                     self.external_slot_bytes -= slot as u64;
@@ -1054,11 +1049,6 @@ impl Workspace {
     /// Huge mappings kept for reuse, and their total length.
     pub fn huge_cached(&self) -> (usize, usize) {
         (self.huge_cache.len(), self.huge_cache.iter().map(|m| m.len).sum())
-    }
-
-    /// The end of the memory ever used in the current region (0 without one).
-    pub fn region_carved_end(&self) -> usize {
-        self.region.as_ref().map_or(0, |r| r.carved_end())
     }
 
     /// The header size every block carries, for callers sizing arenas by hand.
