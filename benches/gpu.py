@@ -5,8 +5,12 @@ On a machine with a GPU (and PyTorch / CuPy where installed):
 1. per call: ``ws.empty((n,), float32)`` of a device workspace in an open cycle, against
    ``torch.empty(device="cuda")`` and ``cupy.empty`` with their pools warm (median of interleaved
    rounds; goal: at most 0.5x their time);
-2. a PyTorch training step of an MLP under ``rustws.torch.use_workspace`` against the caching
-   allocator: median step time and peak reserved memory (goal: within 1.05x, no more memory).
+2. a PyTorch training step of an MLP under ``rustws.torch.use_workspace`` (every thread, and the
+   calling thread alone) against the caching allocator: median step time (interleaved rounds),
+   and, each variant in a fresh process, the peak reserved memory and the device memory 10 steps
+   add (goal: at most 1.00x the time, no more memory), and whether all give the same losses;
+3. a CuPy loop with ``cupy.cuda.set_allocator(rustws.cupy.allocator(ws))`` against CuPy's
+   ``MemoryPool``: median time per iteration and the memory each holds afterwards.
 
 With ``--standin`` (any machine) it times the host side of (1) alone: a device workspace over the
 host stand-in against ``np.empty`` (goal: at most 1.0x its time). Arena allocations of a device
@@ -19,6 +23,7 @@ workspace make no driver call, so this is the per-call cost of the device path w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -99,7 +104,11 @@ def bench_empty(rounds: int, n: int) -> dict[str, Any]:
     return out
 
 
-def bench_torch_step(rounds: int) -> dict[str, Any]:
+TORCH_VARIANTS = ("caching allocator", "rustws.torch.use_workspace", "use_workspace(all_threads=False)")
+
+
+def torch_trainer(variant: str) -> tuple[Any, Any]:
+    """An MLP training step on the GPU, and what each step runs under for ``variant``."""
     import torch
 
     torch.manual_seed(0)
@@ -114,54 +123,164 @@ def bench_torch_step(rounds: int) -> dict[str, Any]:
     x = torch.randn(256, 784, device="cuda")
     y = torch.randint(0, 10, (256,), device="cuda")
 
-    def step() -> None:
+    def step() -> Any:
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        return loss
 
-    ws = rustws.workspace(
-        "TORCH", rustws.WorkspaceConfiguration(policy_mirroring="DISABLED"), device="cuda:0"
-    )
+    cfg = rustws.WorkspaceConfiguration(policy_mirroring="DISABLED")
+    if variant == TORCH_VARIANTS[0]:
+        return step, contextlib.nullcontext
+    ws = rustws.workspace(variant, cfg, device="cuda:0")
+    all_threads = variant == TORCH_VARIANTS[1]
+    return step, lambda: rustws.torch.use_workspace(ws, all_threads=all_threads)
 
-    def default_steps(k: int) -> float:
+
+def torch_memory(variant: str, steps: int = 10) -> dict[str, Any]:
+    """In a fresh process: PyTorch's peak reserved memory over ``steps`` training steps under
+    ``variant``, the device memory they added (a workspace's counts there), and the losses."""
+    import torch
+
+    torch.cuda.init()
+    free, _ = torch.cuda.mem_get_info()
+    step, under = torch_trainer(variant)
+    losses = []
+    for _ in range(steps):
+        with under():
+            loss = step()
+        losses.append(loss.item())
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info()
+    return {
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "device_bytes_added": free - free_after,
+        "losses": losses,
+    }
+
+
+def bench_torch_step(rounds: int) -> dict[str, Any]:
+    import subprocess
+
+    memory: dict[str, Any] = {}
+    for variant in TORCH_VARIANTS:  # each in a process of its own
+        done = subprocess.run(
+            [sys.executable, __file__, "--torch-memory", variant], capture_output=True, text=True, check=True
+        )
+        memory[variant] = json.loads(done.stdout)
+    base_memory = memory[TORCH_VARIANTS[0]]
+    trainers = {v: torch_trainer(v) for v in TORCH_VARIANTS}
+    import torch
+
+    def steps(variant: str, k: int) -> float:
+        step, under = trainers[variant]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(k):
-            step()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / k
-
-    def rustws_steps(k: int) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with rustws.torch.use_workspace(ws):
-            for _ in range(k):
+            with under():
                 step()
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / k
 
-    # Peak reserved memory of each, measured from a clean cache.
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    default_steps(5)
-    peak_default = torch.cuda.max_memory_reserved()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    rustws_steps(5)
-    peak_rustws = torch.cuda.max_memory_reserved()
-    held = rustws.torch.held_by_torch()
-    times: dict[str, list[float]] = {"caching allocator": [], "rustws.torch.use_workspace": []}
+    for v in TORCH_VARIANTS:
+        steps(v, 5)
+    times: dict[str, list[float]] = {k: [] for k in TORCH_VARIANTS}
     for _ in range(rounds):
-        times["caching allocator"].append(default_steps(20))
-        times["rustws.torch.use_workspace"].append(rustws_steps(20))
+        for v in TORCH_VARIANTS:
+            times[v].append(steps(v, 20))
     med = {k: statistics.median(v) for k, v in times.items()}
+    base = med[TORCH_VARIANTS[0]]
     return {
         "step_ms": {k: v * 1e3 for k, v in med.items()},
-        "ratio_rustws_over_caching": med["rustws.torch.use_workspace"] / med["caching allocator"],
-        "peak_reserved_bytes": {"caching allocator": peak_default, "rustws.torch.use_workspace": peak_rustws},
-        "blocks_held_by_torch": held,
-        "workspace_stats": ws.stats()._asdict() if hasattr(ws.stats(), "_asdict") else str(ws.stats()),
+        "time_ratio_over_caching": {k: v / base for k, v in med.items() if k != TORCH_VARIANTS[0]},
+        "fresh_process_memory": {k: {n: m[n] for n in m if n != "losses"} for k, m in memory.items()},
+        "peak_reserved_ratio_over_caching": {
+            k: m["peak_reserved_bytes"] / base_memory["peak_reserved_bytes"]
+            for k, m in memory.items()
+            if k != TORCH_VARIANTS[0]
+        },
+        "same_losses_in_fresh_processes": all(m["losses"] == base_memory["losses"] for m in memory.values()),
+        "same_losses_twin_models": same_losses(torch),
+        "blocks_held_by_torch": rustws.torch.held_by_torch(),
+    }
+
+
+def same_losses(torch: Any) -> bool:
+    """Whether 10 steps of twin models give bit-identical losses under both allocators."""
+    import copy
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
+    twin = copy.deepcopy(model)
+    x = torch.randn(128, 784, device="cuda")
+    y = torch.randint(0, 10, (128,), device="cuda")
+    ws = rustws.workspace(
+        "LOSSES", rustws.WorkspaceConfiguration(policy_mirroring="DISABLED"), device="cuda:0"
+    )
+
+    def losses(m: Any, under: Any) -> list[float]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        out = []
+        for _ in range(10):
+            with under():
+                loss = torch.nn.functional.cross_entropy(m(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            out.append(loss.item())
+        return out
+
+    return losses(model, contextlib.nullcontext) == losses(twin, lambda: rustws.torch.use_workspace(ws))
+
+
+def bench_cupy_loop(rounds: int) -> dict[str, Any]:
+    import cupy
+
+    ws = rustws.workspace("CUPY", rustws.WorkspaceConfiguration(policy_mirroring="DISABLED"), device="cuda:0")
+    pool = cupy.cuda.MemoryPool()
+    ours = rustws.cupy.allocator(ws)
+    x = cupy.random.default_rng(0).standard_normal((1024, 1024), dtype=cupy.float32)
+
+    def iteration() -> None:
+        y = cupy.tanh(x @ x.T) * 0.5 + x
+        z = (y - y.mean(axis=0)) / (y.std(axis=0) + 1e-6)
+        z.sum()
+
+    def run(allocator: Any, cycle: Any, k: int) -> float:
+        previous = cupy.cuda.get_allocator()
+        cupy.cuda.set_allocator(allocator)
+        try:
+            cupy.cuda.runtime.deviceSynchronize()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                with cycle():
+                    iteration()
+            cupy.cuda.runtime.deviceSynchronize()
+            return (time.perf_counter() - t0) / k
+        finally:
+            cupy.cuda.set_allocator(previous)
+
+    # Each iteration is one cycle of the workspace (its cycles see only its own allocations).
+    variants = {
+        "cupy MemoryPool": (pool.malloc, contextlib.nullcontext),
+        "rustws.cupy.allocator": (ours, lambda: ws),
+    }
+    for a, c in variants.values():
+        run(a, c, 5)
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, (a, c) in variants.items():
+            samples[name].append(run(a, c, 20))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {
+        "iteration_us": {k: v * 1e6 for k, v in med.items()},
+        "ratio_rustws_over_pool": med["rustws.cupy.allocator"] / med["cupy MemoryPool"],
+        "held_bytes": {
+            "cupy MemoryPool": pool.total_bytes(),
+            "rustws.cupy.allocator": ws.stats().capacity_bytes,
+        },
+        "workspace_stats": str(ws.stats()),
     }
 
 
@@ -171,7 +290,11 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=1000, help="elements per ws.empty call")
     ap.add_argument("--standin", action="store_true", help="time the device path over the host stand-in")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--torch-memory", choices=TORCH_VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.torch_memory:
+        print(json.dumps(torch_memory(args.torch_memory)))
+        return 0
     results: dict[str, Any] = {"rustws": rustws.__version__, "numpy": np.__version__}
     if args.standin:
         results["empty"] = bench_standin(args.rounds, args.n)
@@ -187,6 +310,12 @@ def main() -> int:
             results["torch_step"] = "PyTorch is not installed"
         else:
             results["torch_step"] = bench_torch_step(max(3, args.rounds // 3))
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            results["cupy_loop"] = "CuPy is not installed"
+        else:
+            results["cupy_loop"] = bench_cupy_loop(max(3, args.rounds // 3))
     text = json.dumps(results, indent=2, default=str)
     print(text)
     if args.out:

@@ -22,3 +22,4 @@ def _clean_workspaces():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU with a driver")
+    config.addinivalue_line("markers", "frameworks: launches PyTorch, CuPy or JAX kernels on the GPU")

@@ -11,9 +11,11 @@ from rustws import DeviceArray, DisposedArrayError, WorkspaceConfiguration
 
 CFG = WorkspaceConfiguration(initial_size="1MiB")
 NO_GPU = not rustws.cuda.is_available()
+# A device that falls back on every machine: the first GPU without one, one past the last with.
+FALLBACK = "cuda:0" if NO_GPU else f"cuda:{rustws.cuda.device_count()}"
 
 
-def fallback(name="DEV", cfg=CFG, device="cuda:0"):
+def fallback(name="DEV", cfg=CFG, device=FALLBACK):
     with pytest.warns(RuntimeWarning, match="falling back to host memory"):
         return rustws.workspace(name, cfg, device=device)
 
@@ -49,8 +51,8 @@ def test_bad_device_strings(device):
 def test_fallback_runs_a_numpy_program_unchanged():
     ws = fallback()
     assert isinstance(ws, rustws.DeviceWorkspace)
-    assert ws.device == "cpu" and ws.requested_device == "cuda:0" and ws.fallback_reason
-    assert rustws.workspace("DEV", CFG, device="cuda:0") is ws  # same request, same workspace
+    assert ws.device == "cpu" and ws.requested_device == FALLBACK and ws.fallback_reason
+    assert rustws.workspace("DEV", CFG, device=FALLBACK) is ws  # same request, same workspace
     with ws:
         x = ws.full((4, 3), 2.0, np.float32)
         w = rustws.cuda.asarray(np.arange(12, dtype=np.float32).reshape(3, 4), ws)

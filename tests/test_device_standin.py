@@ -432,12 +432,14 @@ def test_the_exported_torch_allocator_routes_to_the_workspace():
 
     malloc, free = _exports()
     ws = dev()
+    held = _rustws.torch_blocks()  # PyTorch may hold blocks of earlier workspaces
     assert malloc(1000, 0, None) is None, "nothing routed: PyTorch gets NULL (its OOM path)"
     _route(ws, 0)
     try:
         p = malloc(1000, 0, None)
         assert p and p % 256 == 0
-        assert _rustws.torch_blocks()[0] == 1 and rustws.torch.held_by_torch()[1] >= 1000
+        assert _rustws.torch_blocks()[0] == held[0] + 1
+        assert rustws.torch.held_by_torch()[1] >= held[1] + 1000
         assert ws.stats().allocation_count == 1
         assert malloc(1000, 1, None) is None, "another device's request is refused"
         assert malloc(-1, 0, None) is None
@@ -449,7 +451,7 @@ def test_the_exported_torch_allocator_routes_to_the_workspace():
         _unroute(ws)
     assert malloc(8, 0, None) is None
     free(p, 1000, 0, None)  # freed after the block ended: still goes back to its workspace
-    assert _rustws.torch_blocks() == (0, 0) and ws.stats().used_bytes == 0
+    assert _rustws.torch_blocks() == held and ws.stats().used_bytes == 0
 
 
 def test_torch_routes_are_per_thread():
@@ -480,6 +482,73 @@ def test_torch_routes_are_per_thread():
         done.set()
         t.join()
     assert malloc(64, 0, None) is None
+
+
+def _fake_torch(calls):
+    """PyTorch's pool surface as ``rustws.torch`` uses it, recording the calls."""
+    import contextlib
+
+    class MemPool:
+        def __init__(self, allocator):
+            self.allocator, self.id = allocator, (0, len(calls) + 1)
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool, device=None):
+        calls.append(("current thread", pool.id))
+        yield
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path, malloc, free):
+            self.names = (malloc, free)
+
+        def allocator(self):
+            return self
+
+    memory = types.SimpleNamespace(CUDAPluggableAllocator=CUDAPluggableAllocator)
+    cuda = types.SimpleNamespace(MemPool=MemPool, use_mem_pool=use_mem_pool, memory=memory)
+    c = types.SimpleNamespace(
+        _cuda_beginAllocateToPool=lambda d, pid: calls.append(("begin", d, pid)),
+        _cuda_endAllocateToPool=lambda d, pid: calls.append(("end", d, pid)),
+        _cuda_releasePool=lambda d, pid: calls.append(("release", d, pid)),
+    )
+    return types.SimpleNamespace(cuda=cuda, _C=c, device=lambda kind, i: (kind, i), __version__="fake")
+
+
+def test_use_workspace_serves_the_threads_pytorch_allocates_on(monkeypatch):
+    # The autograd engine runs backward on a device thread of its own: with every thread routed,
+    # its segment requests come from the workspace too; with the calling thread's alone, they do
+    # not, and after the block nobody's do.
+    import threading
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(calls))
+    monkeypatch.setattr(rustws.torch, "_allocator", None)
+    malloc, free = _exports()
+    ws = dev("ROUTED")
+
+    def from_another_thread(size):
+        got = []
+        t = threading.Thread(target=lambda: got.append(malloc(size, 0, None)))
+        t.start()
+        t.join()
+        return got[0]
+
+    with rustws.torch.use_workspace(ws) as pool:
+        p = from_another_thread(4096)
+        assert p and ws.stats().allocation_count == 1
+        assert malloc(4096, 1, None) is None, "another device's request is refused"
+    assert [c[0] for c in calls] == ["begin", "end", "release"] and calls[0][1:] == (0, pool.id)
+    assert from_another_thread(4096) is None
+    free(p, 4096, 0, None)
+    with rustws.torch.use_workspace(ws, all_threads=False):
+        assert from_another_thread(4096) is None
+        q = malloc(4096, 0, None)
+        assert q
+    assert calls[-1] == ("current thread", pool.id)
+    free(q, 4096, 0, None)
+    assert ws.stats().used_bytes == 0
+    with pytest.raises(TypeError, match="all_threads"):
+        rustws.torch.use_workspace(ws, all_threads="yes").__enter__()
 
 
 def test_torch_and_cupy_hooks_refuse_host_workspaces_and_say_what_is_missing(monkeypatch):

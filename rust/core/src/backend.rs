@@ -102,6 +102,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
         true
     }
 
+    /// The alignment every block of [`Backend::alloc_block`] has (at least [`BLOCK_ALIGN`]): a
+    /// device driver's allocations are more aligned than host blocks need.
+    fn block_align(&self) -> usize {
+        BLOCK_ALIGN
+    }
+
     /// Fills `len` bytes at `ptr` with zeros.
     ///
     /// # Safety
@@ -674,6 +680,10 @@ impl Backend for OpaqueMemory {
 /// and copying go straight through.
 macro_rules! forward_data_access {
     () => {
+        fn block_align(&self) -> usize {
+            self.upstream.block_align()
+        }
+
         /// # Safety
         /// As for [`Backend::zero`].
         unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {

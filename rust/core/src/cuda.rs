@@ -288,7 +288,15 @@ impl Backend for CudaMemory {
     fn host_accessible(&self) -> bool {
         false
     }
+
+    /// `cuMemAlloc` aligns every allocation to at least 256 bytes.
+    fn block_align(&self) -> usize {
+        DEVICE_BLOCK_ALIGN
+    }
 }
+
+/// The alignment of every `cuMemAlloc` allocation (the CUDA programming guide's guarantee).
+pub const DEVICE_BLOCK_ALIGN: usize = 256;
 
 impl CudaMemory {
     /// `len` fresh bytes of device memory; the context must be current. A refusal while

@@ -519,6 +519,36 @@ impl Workspace {
         self.alloc_in(size, false)
     }
 
+    /// Allocates a block holding `size` bytes from its first `align`-aligned address (`align` a
+    /// power of two, at most a page): the block is `align - 64` bytes larger where its alignment
+    /// is not known to be `align` (arena blocks), and exactly `size` where the backend's own
+    /// blocks are aligned so and keep their headers apart (a device driver's). Freed with
+    /// [`Workspace::free`] of the pointer returned, not of the aligned address.
+    pub fn alloc_aligned(&mut self, size: usize, align: usize) -> Result<NonNull<u8>, Error> {
+        if !align.is_power_of_two() || align > round_to_page(1) {
+            return Err(self.out_of_memory(size, "alignment not a power of two up to a page"));
+        }
+        let pad = align.saturating_sub(BLOCK_ALIGN);
+        if pad == 0 {
+            return self.alloc_in(size, false);
+        }
+        let Some(padded) = size.checked_add(pad) else {
+            return Err(self.out_of_memory(size, "request too large"));
+        };
+        if self.inline_headers || self.backend.block_align() < align {
+            return self.alloc_in(padded, false);
+        }
+        let (Some(slot), Some(exact)) = (slot_for(padded), slot_for(size)) else {
+            return Err(self.out_of_memory(size, "request too large"));
+        };
+        if (padded as u64) >= self.config.helper_min_size && slot < self.arena_max_slot {
+            if let Some(p) = self.carve_arena(padded, slot, false) {
+                return Ok(p);
+            }
+        }
+        self.alloc_outside(size, exact, false, (padded, slot))
+    }
+
     #[inline(always)]
     fn alloc_in(&mut self, size: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
         // A destroyed workspace has no current region, so it always takes the slow path.
@@ -530,7 +560,7 @@ impl Workspace {
                 return Ok(p);
             }
         }
-        self.alloc_outside(size, slot, zeroed)
+        self.alloc_outside(size, slot, zeroed, (size, slot))
     }
 
     /// Serves a request from the current region, if it fits.
@@ -579,8 +609,16 @@ impl Workspace {
         self.capacity_total() as u64 + self.external_slot_bytes + self.huge_live_len as u64
     }
 
+    /// Serves a request outside the current arena: a block of its own, or a provisional arena's
+    /// carving of `carve` (the size and slot an arena block of the request takes).
     #[cold]
-    fn alloc_outside(&mut self, size: usize, slot: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
+    fn alloc_outside(
+        &mut self,
+        size: usize,
+        slot: usize,
+        zeroed: bool,
+        carve: (usize, usize),
+    ) -> Result<NonNull<u8>, Error> {
         if self.destroyed {
             return Err(Error::Destroyed { workspace: self.name.clone() });
         }
@@ -618,7 +656,7 @@ impl Workspace {
             // served the cycle again.
             let peak = self.cycle_slot_peak.max(self.live_slot_bytes + ext);
             if self.cycle_churn >= MID_CYCLE_CHURN && self.cycle_churn >= peak.saturating_mul(2) {
-                if let Some(p) = self.map_within_cycle(size, slot, zeroed) {
+                if let Some(p) = self.map_within_cycle(carve.0, carve.1, zeroed) {
                     return Ok(p);
                 }
             }
@@ -751,7 +789,11 @@ impl Workspace {
     }
 
     fn alloc_block(&mut self, kind: BlockKind, size: usize, len: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
-        let at = if zeroed { self.backend.alloc_block_zeroed(len) } else { self.backend.alloc_block(len) };
+        // A block whose header lives on the host starts at its data: it takes `len - HEADER`
+        // bytes from the backend, and keeps the backend's alignment (a device driver allocates
+        // at a granularity that a header's bytes would make it round up to the next step).
+        let take = if self.inline_headers { len } else { len - HEADER };
+        let at = if zeroed { self.backend.alloc_block_zeroed(take) } else { self.backend.alloc_block(take) };
         let at = at.map_err(|detail| {
             self.failed_allocations += 1;
             Error::SystemOutOfMemory { workspace: self.name.clone(), requested: size as u64, detail }
@@ -760,12 +802,9 @@ impl Workspace {
             // SAFETY: `at` is a fresh 64-aligned block of `len >= HEADER` bytes owned by us.
             unsafe { write_live_header(at, kind, 0, len, size, self.generation) }
         } else {
-            // The block keeps the same layout (data at `HEADER`); its header lives on the host.
-            // SAFETY: `len >= HEADER`, so the data pointer stays inside the block.
-            let p = unsafe { at.add(HEADER) };
             let h = Box::new(BlockHeader::live(kind, 0, len, size, self.generation));
-            self.outside_headers.insert(p.as_ptr() as usize, NonNull::from(Box::leak(h)));
-            p
+            self.outside_headers.insert(at.as_ptr() as usize, NonNull::from(Box::leak(h)));
+            at
         };
         if kind == BlockKind::External {
             self.external_bytes += size as u64;
@@ -907,10 +946,17 @@ impl Workspace {
                     // SAFETY: the box was leaked in `alloc_block` and is reclaimed once, here.
                     drop(unsafe { Box::from_raw(owned.as_ptr()) });
                 }
-                // SAFETY: the block was allocated by `alloc_block` of this backend with `slot`
-                // bytes and its data starts `HEADER` bytes in; the caller gives it up, and no
-                // reference to its header is alive.
-                unsafe { self.backend.free_block(p.sub(HEADER), slot) };
+                // SAFETY: the block was allocated by `alloc_block` of this backend: `slot` bytes
+                // with its data `HEADER` bytes in, or, with its header on the host, `slot - HEADER`
+                // bytes starting at its data; the caller gives it up, and no reference to its
+                // header is alive.
+                unsafe {
+                    if self.inline_headers {
+                        self.backend.free_block(p.sub(HEADER), slot)
+                    } else {
+                        self.backend.free_block(p, slot - HEADER)
+                    }
+                };
             }
         }
     }

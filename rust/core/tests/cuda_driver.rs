@@ -245,3 +245,37 @@ fn a_context_the_driver_will_not_restore_is_counted() {
         (s.ctx_set_current)(std::ptr::null_mut());
     }
 }
+
+#[test]
+fn device_blocks_of_their_own_take_exactly_their_bytes_and_every_block_is_256_aligned() {
+    // The driver allocates at a granularity (2 MiB on current GPUs): a 2 MiB block that asked for
+    // a header's or an alignment's bytes more would cost 4 MiB. Arena blocks carry the padding
+    // that aligns them instead.
+    let (_g, s) = exclusive();
+    let gpu: Arc<dyn Backend> = Arc::new(CudaMemory::new(0).unwrap());
+    assert_eq!(gpu.block_align(), 256);
+    let mut w = Workspace::with_backend("EXACT", config(1 << 20), gpu).unwrap();
+    w.enter().unwrap();
+    s.clear_log();
+    let own = w.alloc_aligned(2 << 20, 256).unwrap();
+    let log = s.log();
+    assert!(log.lines().any(|l| l.starts_with("cuMemAlloc_v2") && l.contains(" 2097152 ")), "{log}");
+    assert_eq!(own.as_ptr() as usize % 256, 0);
+    let mut small = Vec::new();
+    for n in [1usize, 100, 255, 256, 4000, 70_000] {
+        let raw = w.alloc_aligned(n, 256).unwrap();
+        // SAFETY: live blocks of `w`.
+        let info = unsafe { w.block_info(raw) };
+        let (base, cap) = info.region.expect("small requests come from the arena");
+        let data = (raw.as_ptr() as usize).next_multiple_of(256);
+        assert!(data + n <= raw.as_ptr() as usize + info.requested && data + n <= base + cap);
+        small.push(raw);
+    }
+    assert!(w.alloc_aligned(64, 100).is_err(), "an alignment that is no power of two is refused");
+    for p in small.into_iter().chain([own]) {
+        // SAFETY: live, freed once.
+        unsafe { w.free(p) };
+    }
+    w.exit().unwrap();
+    assert_eq!(w.stats().used_bytes + w.stats().external_bytes, 0);
+}

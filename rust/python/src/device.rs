@@ -28,7 +28,8 @@ use crate::handler::Shared;
 use crate::{to_py, WorkspaceCore};
 
 /// Device buffers start at this alignment (what `cudaMalloc` guarantees and CUDA libraries
-/// expect); workspace blocks are 64-byte aligned, so each request carries the difference.
+/// expect); arena blocks are 64-byte aligned, so they carry the difference (blocks of their own
+/// from the driver are aligned already, and carry nothing).
 pub(crate) const DEVICE_ALIGN: usize = 256;
 const SLACK: usize = DEVICE_ALIGN - rustws_core::BLOCK_ALIGN;
 
@@ -191,7 +192,7 @@ pub(crate) fn alloc_aligned(memory: &Memory, nbytes: usize) -> Result<(NonNull<u
         if ws.is_destroyed() {
             ws.alloc_unaccounted(request, false)
         } else {
-            ws.alloc(request)
+            ws.alloc_aligned(nbytes.max(1), DEVICE_ALIGN)
         }
     };
     let raw = match attempt() {
@@ -433,6 +434,11 @@ thread_local! {
     static TORCH_TARGET: std::cell::RefCell<Option<(Arc<Memory>, i32)>> = const { std::cell::RefCell::new(None) };
 }
 
+/// Routes for every thread (innermost last): PyTorch's device threads (the autograd engine's)
+/// allocate for a block entered on another thread, so a route of the whole device serves the
+/// threads that have none of their own.
+static TORCH_SHARED: Mutex<Vec<(Arc<Memory>, i32)>> = Mutex::new(Vec::new());
+
 /// Blocks handed to PyTorch, by the pointer it got.
 type TorchBlocks = HashMap<usize, Block>;
 static TORCH_BLOCKS: Mutex<Option<TorchBlocks>> = Mutex::new(None);
@@ -450,6 +456,34 @@ pub(crate) fn torch_route(workspace: Option<&Bound<'_, WorkspaceCore>>, ordinal:
     TORCH_TARGET.with(|t| *t.borrow_mut() = target);
 }
 
+/// Adds `workspace` as the route of every thread without one of its own on device `ordinal`
+/// (innermost until removed).
+#[pyfunction]
+pub(crate) fn torch_share(workspace: &Bound<'_, WorkspaceCore>, ordinal: i32) {
+    lock(&TORCH_SHARED).push((workspace.get().memory.clone(), ordinal));
+}
+
+/// Removes the innermost shared route of `workspace` on device `ordinal`; returns whether there
+/// was one.
+#[pyfunction]
+pub(crate) fn torch_unshare(workspace: &Bound<'_, WorkspaceCore>, ordinal: i32) -> bool {
+    let memory = &workspace.get().memory;
+    let mut shared = lock(&TORCH_SHARED);
+    let at = shared.iter().rposition(|(m, o)| Arc::ptr_eq(m, memory) && *o == ordinal);
+    // The route is dropped after the lock is released (dropping a memory may free a workspace).
+    let removed = at.map(|i| shared.remove(i));
+    drop(shared);
+    removed.is_some()
+}
+
+/// The route of this thread, or else the innermost shared route of `device`.
+fn torch_target(device: c_int) -> Option<(Arc<Memory>, i32)> {
+    if let Some(mine) = TORCH_TARGET.try_with(|t| t.borrow().clone()).ok().flatten() {
+        return Some(mine);
+    }
+    lock(&TORCH_SHARED).iter().rev().find(|(_, o)| *o == device).cloned()
+}
+
 /// Blocks PyTorch holds from rustws workspaces, and their total bytes.
 #[pyfunction]
 pub(crate) fn torch_blocks() -> (usize, usize) {
@@ -459,13 +493,13 @@ pub(crate) fn torch_blocks() -> (usize, usize) {
 }
 
 /// `void* alloc(ssize_t size, int device, cudaStream_t stream)` for
-/// `torch.cuda.memory.CUDAPluggableAllocator`: a block of the workspace routed on this thread,
-/// or NULL (which PyTorch reports as out of memory) when nothing is routed, the device differs,
-/// or the workspace refuses.
+/// `torch.cuda.memory.CUDAPluggableAllocator`: a block of the workspace routed on this thread
+/// (else of the innermost shared route of the device), or NULL (which PyTorch reports as out of
+/// memory) when nothing is routed, the device differs, or the workspace refuses.
 #[no_mangle]
 pub extern "C" fn rustws_torch_malloc(size: isize, device: c_int, _stream: *mut c_void) -> *mut c_void {
     catch_unwind(AssertUnwindSafe(|| {
-        let Some((memory, ordinal)) = TORCH_TARGET.try_with(|t| t.borrow().clone()).ok().flatten() else {
+        let Some((memory, ordinal)) = torch_target(device) else {
             return std::ptr::null_mut();
         };
         if device != ordinal || size < 0 {

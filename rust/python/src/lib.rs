@@ -573,6 +573,8 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(devarray::dispose_chain, m)?)?;
     m.add_function(wrap_pyfunction!(device::torch_route, m)?)?;
     m.add_function(wrap_pyfunction!(device::torch_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(device::torch_share, m)?)?;
+    m.add_function(wrap_pyfunction!(device::torch_unshare, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(validate_config, m)?)?;
     m.add_function(wrap_pyfunction!(env_debug_mode, m)?)?;
