@@ -1,19 +1,26 @@
 //! One arena region and its allocator.
 //!
 //! Every block carries a 64-byte [`BlockHeader`] in front of its data, and the headers of a region
-//! tile it from offset 0 up to its *chain end*. Allocation bumps a cursor through the current
-//! *hole*, a run of memory known to be free; when the hole is exhausted the allocator walks the
-//! header chain for the next run of freed blocks, skipping blocks that are still live (pinned), and
-//! merges runs as it goes. A free only marks its header (or, when the block is the last one carved,
-//! rewinds the cursor), so both operations are O(1); the walk costs O(1) amortised per block.
+//! tile it from offset 0 up to its *chain end*. Blocks are carved in class sizes
+//! ([`crate::classes`]). A block freed in a region that rewinds at cycle ends goes on the LIFO
+//! free list of its class and is the first handed out again for a request of that class, before
+//! any other memory: a cycle's footprint follows its peak live bytes, and the reused block is
+//! cache-hot. Otherwise allocation bumps a cursor through the current *hole*, a run of memory known
+//! to be free; when the hole is exhausted the allocator walks the header chain for the next run of
+//! freed blocks (listed or not), skipping blocks that are still live (pinned), and merges runs as
+//! it goes. Every operation is O(1) but the walk, which costs O(1) amortised per block freed.
 //! When nothing is live at a cycle end the region rewinds in O(1): this is the common case and it
-//! costs nothing. When blocks escape, later cycles allocate around them: memory is never handed out
-//! twice while a block lives, and memory freed inside a long cycle is found again by the walk.
+//! costs nothing. When blocks escape, later cycles allocate around them: memory is never handed
+//! out twice while a block lives.
+//!
+//! A circular region (`ResetPolicy::ENDOFBUFFER_REACHED`) keeps no free lists: allocation moves
+//! on through the region across cycles and wraps at its end, as the policy says.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::backend::{AnonymousMemory, Backend, BLOCK_ALIGN};
+use crate::classes::{class_of, class_size, ClassSet, CLASSES};
 
 /// Bytes of the header in front of every block; also the alignment of every block's data.
 pub const HEADER: usize = 64;
@@ -23,7 +30,16 @@ pub const HEADER: usize = 64;
 const TAIL_GRANT: usize = 2 << 20;
 
 const MAGIC_LIVE: u32 = 0x5257_534C; // "RWSL"
-const MAGIC_FREE: u32 = 0x5257_5346; // "RWSF"
+pub(crate) const MAGIC_FREE: u32 = 0x5257_5346; // "RWSF"
+/// Free and on a free list: `region` holds the lists' epoch, `requested` the next block's offset
+/// and `generation` the previous one's (see [`FreeLists`]).
+const MAGIC_LISTED: u32 = 0x5257_5345; // "RWSE"
+
+/// No block (the end of a free list).
+const NONE: usize = usize::MAX;
+
+/// Larger classes a request may take a listed block of, when its own list is empty.
+const CLASS_SLACK: usize = 4;
 
 /// Where a block's memory came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,9 +85,47 @@ impl BlockHeader {
     }
 }
 
-/// Bytes a request of `size` occupies in a region: its data rounded up to 64 bytes, plus a header.
+/// The free lists of a region: one LIFO list per class, doubly linked through the headers of
+/// the listed blocks (offsets), so that the walk can take a listed block out of its list in O(1)
+/// when it merges it into a run. Clearing them all is O(1): a new epoch makes every header listed
+/// under an older one an ordinary free header.
+#[derive(Debug)]
+struct FreeLists {
+    heads: [usize; CLASSES],
+    nonempty: ClassSet,
+    epoch: u32,
+    /// Slot bytes of the listed blocks.
+    bytes: usize,
+}
+
+impl FreeLists {
+    fn new() -> Box<Self> {
+        Box::new(FreeLists { heads: [NONE; CLASSES], nonempty: ClassSet::default(), epoch: 1, bytes: 0 })
+    }
+
+    fn clear(&mut self) {
+        for c in self.nonempty.iter_desc() {
+            self.heads[c] = NONE;
+        }
+        self.nonempty.clear();
+        self.epoch = self.epoch.wrapping_add(1);
+        self.bytes = 0;
+    }
+}
+
+/// The class of a block by its slot; slots are always a class size plus a header.
+#[inline]
+fn slot_class(slot: usize) -> usize {
+    let c = class_of(slot - HEADER).expect("slots are class sized");
+    debug_assert_eq!(class_size(c) + HEADER, slot, "a slot that is no class size");
+    c
+}
+
+/// Bytes a request of `size` occupies in a region: its data rounded up to its class size, plus a
+/// header.
+#[inline]
 pub fn slot_for(size: usize) -> Option<usize> {
-    size.max(1).checked_next_multiple_of(BLOCK_ALIGN)?.checked_add(HEADER)
+    Some(class_size(class_of(size)?) + HEADER)
 }
 
 /// Writes a live header at `at` and returns the data pointer behind it.
@@ -136,6 +190,8 @@ pub struct ArenaRegion {
     dirty_end: usize,
     /// Bytes from the start made resident when the region was mapped (pre-faulted).
     prefaulted: usize,
+    /// The LIFO free lists by class; None in a circular region.
+    lists: Option<Box<FreeLists>>,
 }
 
 // SAFETY: the region exclusively owns its mapping; the raw base pointer is only dereferenced
@@ -144,9 +200,10 @@ pub struct ArenaRegion {
 unsafe impl Send for ArenaRegion {}
 
 impl ArenaRegion {
-    /// Maps a region of `capacity` bytes (a multiple of 64) from `backend`. Its pages fault in
-    /// on first use, or earlier through [`ArenaRegion::populate`].
-    pub fn new(id: u32, capacity: usize, backend: Arc<dyn Backend>) -> Result<Self, String> {
+    /// Maps a region of `capacity` bytes (a multiple of 64) from `backend`; `lists`: keep LIFO
+    /// free lists by class (a region that rewinds at cycle ends), else allocate circularly. Its
+    /// pages fault in on first use, or earlier through [`ArenaRegion::populate`].
+    pub fn new(id: u32, capacity: usize, backend: Arc<dyn Backend>, lists: bool) -> Result<Self, String> {
         debug_assert_eq!(capacity % BLOCK_ALIGN, 0);
         let data = backend.map(capacity, false)?;
         let meta = if backend.host_accessible() {
@@ -176,6 +233,7 @@ impl ArenaRegion {
             live_prefix: 0,
             dirty_end: 0,
             prefaulted: 0,
+            lists: lists.then(FreeLists::new),
         };
         region.take_tail(0);
         Ok(region)
@@ -258,6 +316,12 @@ impl ArenaRegion {
         unsafe { &*self.meta.as_ptr().add(off).cast::<BlockHeader>() }
     }
 
+    fn header_mut(&mut self, off: usize) -> &mut BlockHeader {
+        debug_assert!(off + HEADER <= self.capacity && off % BLOCK_ALIGN == 0);
+        // SAFETY: as in `header_at`; `&mut self` makes the borrow exclusive.
+        unsafe { &mut *self.meta.as_ptr().add(off).cast::<BlockHeader>() }
+    }
+
     fn write_free_header(&mut self, off: usize, slot: usize) {
         debug_assert!(slot >= HEADER && off + slot <= self.capacity);
         // SAFETY: `[off, off+slot)` is free memory inside the region (a closed hole or a merged
@@ -274,26 +338,96 @@ impl ArenaRegion {
         };
     }
 
-    /// Carves `slot` bytes (header included) and returns the offset of the header.
+    /// Carves a block for a request of class `class` (slot `slot`, header included) and returns
+    /// the offset of its header and its slot: a freed block of the class when one is listed
+    /// (the most recently freed), else from the hole, else a listed block a few classes larger,
+    /// else from a run found by the walk.
     #[inline]
-    pub fn carve(&mut self, slot: usize) -> Option<usize> {
-        debug_assert!(slot % BLOCK_ALIGN == 0 && slot >= HEADER);
+    pub fn carve(&mut self, class: usize, slot: usize) -> Option<(usize, usize)> {
+        debug_assert!(slot % BLOCK_ALIGN == 0 && slot >= HEADER && slot == class_size(class) + HEADER);
+        if let Some(l) = self.lists.as_deref() {
+            if l.nonempty.contains(class) {
+                let off = l.heads[class];
+                self.unlist(off, class);
+                return Some((off, slot));
+            }
+        }
         if self.limit - self.cursor >= slot {
             let off = self.cursor;
             self.cursor = off + slot;
-            return Some(off);
+            return Some((off, slot));
         }
-        self.carve_slow(slot)
+        self.carve_slow(class, slot)
     }
 
     #[cold]
-    fn carve_slow(&mut self, slot: usize) -> Option<usize> {
+    fn carve_slow(&mut self, class: usize, slot: usize) -> Option<(usize, usize)> {
+        if let Some(l) = self.lists.as_deref() {
+            if let Some(c) = l.nonempty.next_from(class).filter(|&c| c <= class + CLASS_SLACK) {
+                let off = l.heads[c];
+                self.unlist(off, c);
+                return Some((off, class_size(c) + HEADER));
+            }
+        }
         if !self.find_hole(slot) {
             return None;
         }
         let off = self.cursor;
         self.cursor = off + slot;
-        Some(off)
+        Some((off, slot))
+    }
+
+    /// Puts the free block at `off` (its header already says free) on the list of its class.
+    fn list(&mut self, off: usize, slot: usize) {
+        let class = slot_class(slot);
+        let Some(l) = self.lists.as_deref_mut() else { return };
+        let head = if l.nonempty.contains(class) { l.heads[class] } else { NONE };
+        let epoch = l.epoch;
+        l.heads[class] = off;
+        l.nonempty.insert(class);
+        l.bytes += slot;
+        if head != NONE {
+            self.header_mut(head).generation = off as u64;
+        }
+        let h = self.header_mut(off);
+        h.magic = MAGIC_LISTED;
+        h.region = epoch;
+        h.requested = head;
+        h.generation = NONE as u64;
+    }
+
+    /// Takes the listed block at `off` (of class `class`) off its list; its header then says free.
+    fn unlist(&mut self, off: usize, class: usize) {
+        let (next, prev, slot) = {
+            let h = self.header_at(off);
+            (h.requested, h.generation as usize, h.slot)
+        };
+        if next != NONE {
+            self.header_mut(next).generation = prev as u64;
+        }
+        if prev != NONE {
+            self.header_mut(prev).requested = next;
+        }
+        let l = self.lists.as_deref_mut().expect("a listed block has lists");
+        if prev == NONE {
+            l.heads[class] = next;
+            if next == NONE {
+                l.nonempty.remove(class);
+            }
+        }
+        l.bytes -= slot;
+        self.header_mut(off).magic = MAGIC_FREE;
+    }
+
+    /// Whether the free header at `off` is on a list now (listed under the current epoch).
+    fn is_listed(&self, off: usize) -> bool {
+        let h = self.header_at(off);
+        h.magic == MAGIC_LISTED && self.lists.as_deref().is_some_and(|l| l.epoch == h.region)
+    }
+
+    /// Slot bytes of the blocks on the free lists.
+    pub fn listed_bytes(&self) -> usize {
+        self.lists.as_deref().map_or(0, |l| l.bytes)
     }
 
     /// Hands a carved slot out: writes its live header and counts it.
@@ -338,9 +472,10 @@ impl ArenaRegion {
         ok
     }
 
-    /// The end of the run of freed blocks that starts at `pos` (at most the chain end); None when
-    /// a header on the way is implausible.
-    fn free_run_end(&self, mut pos: usize) -> Option<usize> {
+    /// The end of the run of freed blocks that starts at `pos` (at most the chain end), taking
+    /// the listed ones off their lists (the run is merged); None when a header on the way is
+    /// implausible.
+    fn free_run_end(&mut self, mut pos: usize) -> Option<usize> {
         while pos < self.top {
             let h = self.header_at(pos);
             if !self.plausible(pos, h) {
@@ -349,7 +484,11 @@ impl ArenaRegion {
             if h.is_live() {
                 break;
             }
-            pos += h.slot;
+            let slot = h.slot;
+            if self.is_listed(pos) {
+                self.unlist(pos, slot_class(slot));
+            }
+            pos += slot;
         }
         Some(pos)
     }
@@ -462,13 +601,15 @@ impl ArenaRegion {
         self.live_blocks -= 1;
         h.magic = MAGIC_FREE;
         self.live_prefix = self.live_prefix.min(off);
+        // Its memory was used: a zeroed request served from it must be written.
+        self.dirty_end = self.dirty_end.max(off + slot);
         if off + slot == self.cursor {
             // The block ends where the hole begins (typically the last one carved): the hole
-            // grows back over it, which needs no header inside the hole. Its memory was used.
-            self.dirty_end = self.dirty_end.max(self.cursor);
+            // grows back over it, which needs no header inside the hole.
             self.cursor = off;
         } else {
             self.freed_since_scan += slot;
+            self.list(off, slot);
         }
     }
 
@@ -481,12 +622,17 @@ impl ArenaRegion {
             self.take_tail(0);
             self.freed_since_scan = 0;
             self.live_prefix = 0;
-        } else {
+            if let Some(l) = self.lists.as_deref_mut() {
+                l.clear();
+            }
+        } else if self.lists.is_none() {
             self.close_hole();
             self.cursor = self.live_prefix;
             self.limit = self.live_prefix;
             self.tail = false;
         }
+        // With free lists and blocks still live, the next cycle takes the freed blocks from the
+        // lists and goes on from the hole: nothing to do.
     }
 
     /// Walks the whole chain and checks the region's invariants; panics on a violation. Returns
@@ -497,7 +643,7 @@ impl ArenaRegion {
         let (hole_lo, hole_hi) = if self.tail { (self.cursor, self.cursor) } else { (self.cursor, self.limit) };
         assert!(self.live_prefix <= chain_end, "live prefix beyond the chain end");
         assert!(self.cursor <= self.limit && self.limit <= self.capacity);
-        let (mut pos, mut live, mut bytes) = (0, 0, 0);
+        let (mut pos, mut live, mut bytes, mut listed) = (0, 0, 0, 0);
         while pos < chain_end {
             if pos == hole_lo && hole_lo < hole_hi {
                 pos = hole_hi;
@@ -505,7 +651,7 @@ impl ArenaRegion {
             }
             let h = self.header_at(pos);
             assert!(self.plausible(pos, h), "corrupt chain at {pos}");
-            assert!(h.magic == MAGIC_LIVE || h.magic == MAGIC_FREE, "bad magic at {pos}");
+            assert!([MAGIC_LIVE, MAGIC_FREE, MAGIC_LISTED].contains(&h.magic), "bad magic at {pos}");
             if pos < self.live_prefix {
                 assert!(h.is_live(), "free block at {pos} inside the live prefix {}", self.live_prefix);
             }
@@ -513,10 +659,30 @@ impl ArenaRegion {
                 live += 1;
                 bytes += h.slot;
             }
+            if self.is_listed(pos) {
+                listed += h.slot;
+            }
             pos += h.slot;
         }
         assert_eq!(pos.max(chain_end), chain_end, "chain overruns its end");
         assert_eq!(live, self.live_blocks, "live count disagrees with the chain");
+        if let Some(l) = self.lists.as_deref() {
+            let mut on_lists = 0;
+            for c in 0..CLASSES {
+                assert_eq!(l.nonempty.contains(c), l.heads[c] != NONE, "class {c}: set and head disagree");
+                let (mut at, mut prev) = (if l.nonempty.contains(c) { l.heads[c] } else { NONE }, NONE);
+                while at != NONE {
+                    assert!(at < chain_end && self.is_listed(at), "class {c}: {at} is not a listed block");
+                    let h = self.header_at(at);
+                    assert_eq!(slot_class(h.slot), c, "block {at} on the wrong list");
+                    assert_eq!(h.generation as usize, prev, "block {at}: broken back link");
+                    on_lists += h.slot;
+                    (prev, at) = (at, h.requested);
+                }
+            }
+            assert_eq!(on_lists, listed, "listed blocks in the chain and on the lists disagree");
+            assert_eq!(on_lists, l.bytes, "listed bytes disagree");
+        }
         bytes
     }
 
@@ -525,6 +691,10 @@ impl ArenaRegion {
     /// system and only pages under live blocks stay resident. O(blocks), once.
     pub fn retire(&mut self) {
         self.freed_since_scan = 0;
+        if let Some(l) = self.lists.as_deref_mut() {
+            // Nothing is allocated here any more: listed blocks are plain free memory.
+            l.clear();
+        }
         self.close_hole();
         let page = crate::backend::page_bytes();
         let discard = |this: &Self, from: usize, to: usize| {

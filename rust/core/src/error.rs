@@ -2,6 +2,11 @@
 //! bindings; messages name the workspace, the request and the limit where there is one.
 
 use std::fmt;
+use std::sync::Arc;
+
+/// A workspace's name as errors carry it: cloning it never allocates, so that building an error
+/// on an out-of-memory path cannot itself run out of memory.
+pub type Name = Arc<str>;
 
 /// Everything that can go wrong in the core.
 #[derive(Debug, Clone, PartialEq)]
@@ -9,13 +14,13 @@ pub enum Error {
     /// A configuration field holds an invalid value or combination.
     InvalidConfig { field: &'static str, message: String },
     /// A request the workspace cannot serve under its limits and spill policy.
-    OutOfMemory { workspace: String, requested: u64, in_use: u64, limit: u64, reason: &'static str },
+    OutOfMemory { workspace: Name, requested: u64, in_use: u64, limit: u64, reason: &'static str },
     /// The operating system (or an upstream backend) refused memory.
-    SystemOutOfMemory { workspace: String, requested: u64, detail: String },
+    SystemOutOfMemory { workspace: Name, requested: u64, detail: String },
     /// The workspace was destroyed.
-    Destroyed { workspace: String },
+    Destroyed { workspace: Name },
     /// An operation that needs an open cycle found none.
-    NotOpen { workspace: String, operation: &'static str },
+    NotOpen { workspace: Name, operation: &'static str },
     /// A backend cannot be used here (no driver, no device, bad ordinal).
     Unavailable { what: String },
 }

@@ -6,15 +6,27 @@
 //! pinned and the allocator works around them. Memory comes from a [`Backend`] (anonymous memory,
 //! a memory-mapped file, the heap, or an adaptor over one of them). This crate knows nothing of
 //! Python; the bindings live in a separate crate.
+//!
+//! Where each concern lives: `workspace` (cycles and the allocation ladder), `arena` (a region,
+//! its free lists by class and its walk), `classes` (size classes), `learner` (how large the arena
+//! is, under the learning and spill policies), `external` (blocks outside the arena and their
+//! cache), `huge` (huge requests' own mappings), `accounts` (counters and statistics), `config`
+//! (the policies), `backend` and `cuda` (memory sources), `error`.
 
+mod accounts;
 pub mod arena;
 pub mod backend;
+pub mod classes;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+mod external;
+mod huge;
+mod learner;
 pub mod workspace;
 
+pub use accounts::{CycleReport, WorkspaceStats};
 pub use arena::{ArenaRegion, BlockKind, HEADER};
 pub use backend::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor, OpaqueMemory, BLOCK_ALIGN};
 pub use config::{
@@ -22,4 +34,6 @@ pub use config::{
     WorkspaceConfiguration,
 };
 pub use error::Error;
-pub use workspace::{BlockInfo, CycleReport, Workspace, WorkspaceStats, HUGE_BLOCK_MIN, NEED_WINDOW, PREFAULT_LIMIT};
+pub use huge::HUGE_BLOCK_MIN;
+pub use learner::NEED_WINDOW;
+pub use workspace::{BlockInfo, Workspace, PREFAULT_LIMIT};

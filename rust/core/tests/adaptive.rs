@@ -1,6 +1,7 @@
 //! The adaptive profile and what a workspace commits: convergence from any first cycle, decay
-//! after outliers, pre-faulting bounded by what cycles used, zeroed memory that stays lazy, and
-//! arenas mapped within a long learning cycle. Each test runs against every host backend.
+//! after outliers, pre-faulting bounded by what cycles used, zeroed memory that stays lazy, blocks
+//! recycled by class within a long learning cycle, and kept results that never grow the arena.
+//! Each test runs against every host backend.
 
 mod common;
 
@@ -20,11 +21,18 @@ struct Recorder {
     upstream: Arc<dyn Backend>,
     zeroed: AtomicUsize,
     populated: AtomicUsize,
+    /// Blocks asked of the block allocator.
+    blocks: AtomicUsize,
 }
 
 impl Recorder {
     fn new(upstream: Arc<dyn Backend>) -> Arc<Self> {
-        Arc::new(Recorder { upstream, zeroed: AtomicUsize::new(0), populated: AtomicUsize::new(0) })
+        Arc::new(Recorder {
+            upstream,
+            zeroed: AtomicUsize::new(0),
+            populated: AtomicUsize::new(0),
+            blocks: AtomicUsize::new(0),
+        })
     }
 }
 
@@ -43,9 +51,11 @@ impl Backend for Recorder {
         unsafe { self.upstream.unmap(ptr, len) }
     }
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+        self.blocks.fetch_add(1, Ordering::Relaxed);
         self.upstream.alloc_block(len)
     }
     fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, String> {
+        self.blocks.fetch_add(1, Ordering::Relaxed);
         self.upstream.alloc_block_zeroed(len)
     }
     unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
@@ -260,38 +270,127 @@ fn memory_freed_inside_a_cycle_is_found_again_before_the_arena_grows() {
 }
 
 #[test]
-fn a_long_learning_cycle_maps_its_arena_before_it_ends() {
+fn a_long_learning_cycle_recycles_its_blocks_by_class() {
     for (name, b) in backends() {
         for config in [WorkspaceConfiguration::adaptive(), WorkspaceConfiguration::default()] {
-            let mut w = Workspace::with_backend("LONG", config.clone(), b.clone()).unwrap();
+            let rec = Recorder::new(b.clone());
+            let backend: Arc<dyn Backend> = rec.clone();
+            let mut w = Workspace::with_backend("LONG", config.clone(), backend).unwrap();
             w.enter().unwrap();
             let kept = w.alloc(10_000).unwrap();
             fill(kept.as_ptr(), 10_000, 42);
             for i in 0..400 {
-                let p = w.alloc(100 * KIB).unwrap();
+                // Sizes within one class: every one after the first takes the same block back.
+                let p = w.alloc(100 * KIB - (i % 5) * 1000).unwrap();
                 fill(p.as_ptr(), 4096, i as u8);
                 // SAFETY: live, freed once.
                 unsafe { w.free(p) };
             }
-            let s = w.stats();
-            assert!(s.capacity_bytes > 0, "{name} {:?}: an arena was mapped within the cycle", config.policy_learning);
-            // From then on the cycle's smaller blocks are served from the arena; a large one
-            // still comes from the C heap until the cycle ends.
-            let p = w.alloc(100 * KIB).unwrap();
-            assert_eq!(w.stats().used_bytes, 100 * KIB as u64, "{name}");
-            let large = w.alloc(4 * MIB).unwrap();
-            assert_eq!(w.stats().used_bytes, 100 * KIB as u64, "{name}");
-            // SAFETY: live, freed once.
-            unsafe { w.free(large) };
-            // SAFETY: live, freed once.
-            unsafe { w.free(p) };
+            let blocks = rec.blocks.load(Ordering::Relaxed);
+            assert_eq!(blocks, 2, "{name} {:?}: the kept block and one recycled block", config.policy_learning);
+            assert!(w.external_cached_bytes() >= 100 * KIB, "{name}: the freed block is cached");
+            assert_eq!(w.stats().spill_count, 0, "{name}: a learning cycle does not spill");
             w.exit().unwrap();
+            // The next cycles are served by the arena learned from this one. Under FIRST_LOOP
+            // (which never grows) their second temporary spills, every cycle, to the block the
+            // cache kept; the adaptive profile grows instead, and the cache goes back once unused.
+            for _ in 0..6 {
+                body(&mut w, 4, 100 * KIB);
+            }
+            assert!(w.stats().capacity_bytes > 0, "{name}");
+            if config.policy_learning == LearningPolicy::Adaptive {
+                assert_eq!(w.external_cached_bytes(), 0, "{name}: the cache was returned once unused");
+            } else {
+                assert!(w.stats().spill_count >= 6, "{name}: {:?}", w.stats());
+                assert_eq!(rec.blocks.load(Ordering::Relaxed), 2, "{name}: spills are served by the cache");
+            }
             assert!(intact(kept.as_ptr(), 10_000, 42));
             // SAFETY: live, freed once.
             unsafe { w.free(kept) };
-            assert_eq!(w.stats().spill_count, 0, "{name}: a learning cycle does not spill");
             w.verify();
         }
+    }
+}
+
+#[test]
+fn kept_results_are_not_need_and_never_grow_the_arena() {
+    // `results.append(f(x))`: every cycle keeps an 80 KB result; its own temporaries need about
+    // 400 KB. The arena follows what a cycle itself has live, never the kept results.
+    for (name, b) in backends() {
+        let rec = Recorder::new(b.clone());
+        let backend: Arc<dyn Backend> = rec.clone();
+        let mut w = Workspace::with_backend("KEEP", WorkspaceConfiguration::adaptive(), backend).unwrap();
+        let mut results = Vec::new();
+        let mut caps = Vec::new();
+        for k in 0..2000usize {
+            w.enter().unwrap();
+            let t1 = w.alloc(160_000).unwrap();
+            let a = w.alloc(160_000).unwrap();
+            // SAFETY: live, freed once.
+            unsafe { w.free(t1) };
+            let c = w.alloc(80_000).unwrap();
+            let r = w.alloc(80_000).unwrap();
+            fill(r.as_ptr(), 64, k as u8);
+            // SAFETY: live, freed once.
+            unsafe {
+                w.free(c);
+                w.free(a);
+            }
+            results.push((r, k as u8));
+            w.exit().unwrap();
+            caps.push(w.stats().capacity_bytes);
+        }
+        let s = w.stats();
+        assert!(caps[5..].iter().all(|&c| c == caps[5]), "{name}: the arena was remapped: {:?}", &caps[..12]);
+        assert!(s.capacity_bytes < 2 * MIB as u64, "{name}: {s:?}");
+        assert!(w.learned_need() < MIB, "{name}: need {}", w.learned_need());
+        assert!(w.external_cached_bytes() < MIB, "{name}: cache {}", w.external_cached_bytes());
+        // Blocks asked of the system: the kept results, and a handful of temporaries.
+        let blocks = rec.blocks.load(Ordering::Relaxed);
+        assert!(blocks < results.len() + 20, "{name}: {blocks} blocks for {} results", results.len());
+        for (r, seed) in results {
+            assert!(intact(r.as_ptr(), 64, seed), "{name}: a kept result changed");
+            // SAFETY: live, freed once.
+            unsafe { w.free(r) };
+        }
+        w.verify();
+    }
+}
+
+#[test]
+fn a_freed_block_is_reused_before_untouched_memory() {
+    for (name, b) in backends() {
+        let config = WorkspaceConfiguration {
+            initial_size: 4 * MIB as u64,
+            policy_learning: LearningPolicy::None,
+            ..Default::default()
+        };
+        let mut w = Workspace::with_backend("REUSE", config, b.clone()).unwrap();
+        w.enter().unwrap();
+        let keep = w.alloc(4 * KIB).unwrap(); // pins the region: no rewind at this cycle's end
+        let a = w.alloc(64 * KIB).unwrap();
+        let b2 = w.alloc(64 * KIB).unwrap();
+        // SAFETY: live, freed once.
+        unsafe { w.free(a) };
+        let again = w.alloc(64 * KIB - 1000).unwrap();
+        assert_eq!(again, a, "{name}: the block just freed, of the same class, comes back first");
+        // SAFETY: live, freed once.
+        unsafe {
+            w.free(again);
+            w.free(b2);
+        }
+        w.exit().unwrap();
+        // Across the cycle end (with a block kept), the freed blocks still come back first.
+        w.enter().unwrap();
+        let c = w.alloc(64 * KIB).unwrap();
+        assert!(c == b2 || c == a, "{name}: a freed block of the class was reused");
+        // SAFETY: live, freed once.
+        unsafe {
+            w.free(c);
+            w.free(keep);
+        }
+        w.exit().unwrap();
+        w.verify();
     }
 }
 

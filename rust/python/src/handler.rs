@@ -46,7 +46,7 @@ struct PyDataMemHandler {
 #[derive(Debug)]
 pub struct Shared {
     pub id: u64,
-    pub name: String,
+    pub name: rustws_core::error::Name,
     /// Mirrors the core's destroyed flag, readable without the lock.
     pub destroyed: AtomicBool,
     workspace: Mutex<Workspace>,
@@ -79,7 +79,7 @@ impl Shared {
         let host_accessible = workspace.backend().host_accessible();
         Shared {
             id,
-            name: workspace.name().to_string(),
+            name: workspace.name().into(),
             destroyed: AtomicBool::new(false),
             workspace: Mutex::new(workspace),
             failures: Mutex::new(Vec::new()),

@@ -1,0 +1,160 @@
+//! The accounts of a workspace: what is live, pinned and served, kept exact on every allocation
+//! and free, and turned into the [`WorkspaceStats`] of the contract.
+//!
+//! The hot path updates only a few counters (requested and slot bytes of live blocks, the cycle's
+//! peaks, the allocation count); everything else is derived when asked, or updated off the hot
+//! path (spills, frees of pinned blocks, cycle ends).
+
+/// The statistics of the contract, all in bytes or counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkspaceStats {
+    /// Completed cycles.
+    pub cycles: u64,
+    /// Bytes mapped for arenas (the current one and retired ones still holding live blocks).
+    pub capacity_bytes: u64,
+    /// Requested bytes of live blocks inside arenas.
+    pub used_bytes: u64,
+    /// Peak of live requested bytes (arena and external) in the open cycle, or the last one.
+    pub peak_cycle_bytes: u64,
+    /// Arena bytes holding no live block: reusable.
+    pub cached_bytes: u64,
+    /// Requested bytes of live blocks outside the arena.
+    pub external_bytes: u64,
+    /// Requested bytes of live blocks that outlived the cycle that allocated them.
+    pub pinned_bytes: u64,
+    /// Arena bytes of headers and alignment padding of live blocks.
+    pub overhead_bytes: u64,
+    /// Allocations served, all kinds.
+    pub allocation_count: u64,
+    /// Allocations served outside an initialised arena.
+    pub spill_count: u64,
+    /// Requests refused.
+    pub failed_allocations: u64,
+}
+
+/// What one cycle left behind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CycleReport {
+    /// Whether this exit closed the outermost cycle.
+    pub completed: bool,
+    /// Blocks allocated in this cycle that are still live (they are now pinned).
+    pub escaped_blocks: u64,
+    /// Their requested bytes.
+    pub escaped_bytes: u64,
+}
+
+/// Live, pinned and served memory. Slot bytes count what blocks occupy (header and class
+/// rounding included); requested bytes what callers asked for.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Accounts {
+    /// Slot bytes of live blocks, arena and external.
+    pub live_slot: usize,
+    /// Requested bytes of live arena blocks.
+    pub used: u64,
+    /// Requested and slot bytes, and the number, of live external blocks (huge ones included).
+    pub external: u64,
+    pub external_slot: usize,
+    pub external_blocks: usize,
+    /// Live blocks from earlier cycles: blocks, requested bytes, slot bytes.
+    pub pinned_blocks: usize,
+    pub pinned: u64,
+    pub pinned_slot: usize,
+    /// Peak of the slot bytes the open cycle itself has live (`live_slot - pinned_slot`).
+    pub own_peak: usize,
+    /// Slot bytes of blocks of earlier cycles freed in the open cycle: state a loop replaces
+    /// every cycle (`w = w - lr * g`), live beside the cycle's own blocks until replaced.
+    pub unpinned_slot: usize,
+    /// Peak of live requested bytes in the open cycle, and in the last one.
+    pub cycle_peak: u64,
+    pub last_cycle_peak: u64,
+    pub allocations: u64,
+    pub spills: u64,
+    pub failures: u64,
+}
+
+impl Accounts {
+    /// A block of the open cycle was handed out.
+    #[inline(always)]
+    pub fn count_live(&mut self, slot: usize) {
+        self.allocations += 1;
+        self.live_slot += slot;
+        self.own_peak = self.own_peak.max(self.live_slot - self.pinned_slot);
+        self.cycle_peak = self.cycle_peak.max(self.used + self.external);
+    }
+
+    /// An arena block of `size` requested bytes in a slot of `slot` bytes was handed out.
+    #[inline(always)]
+    pub fn count_arena(&mut self, size: usize, slot: usize) {
+        self.used += size as u64;
+        self.count_live(slot);
+    }
+
+    /// An arena block of the open cycle was freed.
+    #[inline(always)]
+    pub fn uncount_arena(&mut self, size: usize, slot: usize) {
+        self.used -= size as u64;
+        self.live_slot -= slot;
+    }
+
+    /// An external block (huge ones included) was handed out.
+    pub fn count_external(&mut self, size: usize, slot: usize) {
+        self.external += size as u64;
+        self.external_slot += slot;
+        self.external_blocks += 1;
+        self.count_live(slot);
+    }
+
+    pub fn uncount_external(&mut self, size: usize, slot: usize) {
+        self.external -= size as u64;
+        self.external_slot -= slot;
+        self.external_blocks -= 1;
+        self.live_slot -= slot;
+    }
+
+    /// A huge block (a mapping of its own, outside the slot accounts: it never sizes the arena)
+    /// was handed out.
+    pub fn count_huge(&mut self, size: usize) {
+        self.external += size as u64;
+        self.external_blocks += 1;
+        self.allocations += 1;
+        self.cycle_peak = self.cycle_peak.max(self.used + self.external);
+    }
+
+    pub fn uncount_huge(&mut self, size: usize) {
+        self.external -= size as u64;
+        self.external_blocks -= 1;
+    }
+
+    /// A block of an earlier cycle was freed.
+    #[cold]
+    pub fn unpin(&mut self, size: usize, slot: usize) {
+        self.pinned_blocks -= 1;
+        self.pinned -= size as u64;
+        self.pinned_slot -= slot;
+        self.unpinned_slot += slot;
+    }
+
+    /// What the open cycle needs: its own peak, and the state of earlier cycles it replaced.
+    /// Blocks kept on (results a loop collects) never count.
+    pub fn cycle_need(&self) -> usize {
+        self.own_peak.saturating_add(self.unpinned_slot)
+    }
+
+    /// A cycle opens.
+    pub fn open_cycle(&mut self) {
+        self.cycle_peak = self.used + self.external;
+        self.own_peak = self.live_slot - self.pinned_slot;
+        self.unpinned_slot = 0;
+    }
+
+    /// The outermost cycle ends with `live_blocks` blocks live: they are all pinned now.
+    /// Returns what escaped this cycle: blocks and requested bytes.
+    pub fn close_cycle(&mut self, live_blocks: usize) -> (u64, u64) {
+        let escaped = ((live_blocks - self.pinned_blocks) as u64, self.used + self.external - self.pinned);
+        self.pinned_blocks = live_blocks;
+        self.pinned = self.used + self.external;
+        self.pinned_slot = self.live_slot;
+        self.last_cycle_peak = self.cycle_peak;
+        escaped
+    }
+}

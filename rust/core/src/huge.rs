@@ -1,0 +1,93 @@
+//! Huge blocks: requests far larger than a cycle's usual footprint get a lazily faulted mapping of
+//! their own rather than sizing the arena after them (a 3.6 GB `np.empty` of which one corner is
+//! used costs that corner). Freed mappings are kept for reuse while requests of a fitting size
+//! recur, and released when they stop.
+
+use std::ptr::NonNull;
+
+use crate::backend::Backend;
+
+/// Requests at least this large, and at least half the learned need, are huge.
+pub const HUGE_BLOCK_MIN: usize = 64 << 20;
+
+/// Huge mappings kept for reuse once freed, at most.
+const CACHED_MAPPINGS: usize = 8;
+
+/// A cached mapping unused for this many cycles is released.
+const CACHE_CYCLES: u64 = 2;
+
+/// A freed huge mapping kept for reuse.
+#[derive(Debug, Clone, Copy)]
+struct CachedMapping {
+    at: NonNull<u8>,
+    len: usize,
+    /// The generation of its last use.
+    used: u64,
+}
+
+/// The freed huge mappings of a workspace, and the length of the live ones.
+#[derive(Debug, Default)]
+pub(crate) struct HugeCache {
+    cached: Vec<CachedMapping>,
+    /// Total length of the live huge mappings.
+    pub live_len: usize,
+}
+
+impl HugeCache {
+    /// A cached mapping for a request of `len` bytes (at most a quarter larger), taken out of
+    /// the cache: the smallest that fits.
+    pub fn take(&mut self, len: usize) -> Option<(NonNull<u8>, usize)> {
+        let fits = |m: &CachedMapping| m.len >= len && m.len - len <= len / 4;
+        let i = (0..self.cached.len()).filter(|&i| fits(&self.cached[i])).min_by_key(|&i| self.cached[i].len)?;
+        let m = self.cached.swap_remove(i);
+        Some((m.at, m.len))
+    }
+
+    /// Keeps a freed mapping for reuse (the oldest one goes when the cache is full).
+    ///
+    /// # Safety
+    /// `at` and `len` describe a mapping of `backend` that nothing uses any more.
+    pub unsafe fn put(&mut self, backend: &dyn Backend, at: NonNull<u8>, len: usize, generation: u64) {
+        if self.cached.len() >= CACHED_MAPPINGS {
+            let oldest = (0..self.cached.len()).min_by_key(|&i| self.cached[i].used).expect("not empty");
+            let m = self.cached.swap_remove(oldest);
+            // SAFETY: a cached mapping is owned by the cache alone.
+            unsafe { backend.unmap(m.at, m.len) };
+        }
+        // Pushing into reserved room never allocates: the cache never holds more than its limit.
+        if self.cached.try_reserve(1).is_ok() {
+            self.cached.push(CachedMapping { at, len, used: generation });
+        } else {
+            // SAFETY: the caller gives the mapping up.
+            unsafe { backend.unmap(at, len) };
+        }
+    }
+
+    /// Releases the mappings unused since `generation - CACHE_CYCLES`.
+    pub fn release_stale(&mut self, backend: &dyn Backend, generation: u64) {
+        self.release(backend, |m| m.used + CACHE_CYCLES <= generation);
+    }
+
+    /// Releases every cached mapping.
+    pub fn release_all(&mut self, backend: &dyn Backend) {
+        self.release(backend, |_| true);
+    }
+
+    fn release(&mut self, backend: &dyn Backend, which: impl Fn(&CachedMapping) -> bool) {
+        let mut i = 0;
+        while i < self.cached.len() {
+            if which(&self.cached[i]) {
+                let m = self.cached.swap_remove(i);
+                // SAFETY: a cached mapping is owned by the cache alone; released once, here.
+                unsafe { backend.unmap(m.at, m.len) };
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// The number and total length of the cached mappings.
+    pub fn cached(&self) -> (usize, usize) {
+        (self.cached.len(), self.cached.iter().map(|m| m.len).sum())
+    }
+}

@@ -1,0 +1,165 @@
+//! The cycle learner: how much memory one cycle needs, and when the arena is mapped, grown or
+//! shrunk, under the learning and spill policies.
+//!
+//! A cycle's *need* is the peak of the slot bytes the cycle itself has live, plus the blocks of
+//! earlier cycles it freed (state a loop replaces every cycle, live beside the new state until
+//! then): blocks kept on (results a loop appends to a list) are not need, so they never grow or
+//! remap the arena however many there are. The learning cycles of ND4J's policies, which size the
+//! arena once, count what they leave live once more (the state the next cycle will replace). ND4J's policies keep their meaning:
+//! `NONE` never learns; `FIRST_LOOP` learns the first `cycles_before_initialization` cycles (at
+//! least one) and sizes the arena once; `OVER_TIME` does the same, then grows after a cycle that
+//! spilled; so does `REALLOCATE`, whatever the learning policy. The adaptive profile
+//! follows the largest need of the last [`NEED_WINDOW`] cycles: it grows after a cycle that
+//! needed more, and shrinks once an outlier has left the window.
+//!
+//! Spills that happened while blocks of earlier cycles were in the arena are the arena's
+//! fragmentation around kept memory, not need: they never grow it (the external block cache
+//! serves them). Spills from an arena that held nothing kept grow it by what spilled.
+
+use crate::backend::round_to_page;
+use crate::config::{AllocationPolicy, LearningPolicy, SpillPolicy, WorkspaceConfiguration};
+
+/// Cycles whose needs the adaptive profile remembers: the arena follows their maximum.
+pub const NEED_WINDOW: usize = 8;
+
+/// Arenas at least this large are rounded to whole 2 MiB huge pages.
+const HUGE_ROUND_THRESHOLD: usize = 64 << 20;
+const HUGE_PAGE: usize = 2 << 20;
+
+/// What one cycle showed, for the learner.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CycleFacts {
+    /// Peak slot bytes the cycle itself had live, plus those of earlier blocks it freed.
+    pub need: usize,
+    /// Slot bytes of the cycle's blocks still live at its end (they escape it).
+    pub escaped: usize,
+    /// Slot bytes served outside an initialised arena.
+    pub spilled: usize,
+    /// Whether blocks of earlier cycles were in the arena when the cycle opened.
+    pub kept_in_arena: bool,
+}
+
+/// What to do with the arena after a cycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sizing {
+    Keep,
+    /// Map a region of `capacity` bytes; pre-fault the first `prefault` of them.
+    Map {
+        capacity: usize,
+        prefault: usize,
+    },
+}
+
+#[derive(Debug, Default, Clone)]
+pub(crate) struct CycleLearner {
+    pub cycles_learned: u64,
+    /// The need the arena is sized after.
+    pub need: usize,
+    /// The adaptive profile's recent needs, by generation modulo the window.
+    recent: [usize; NEED_WINDOW],
+    /// Whether the arena was sized from what was learned (always for `NONE`).
+    pub initialized: bool,
+}
+
+/// Arena capacity for a need of `need` bytes under the allocation policy and limits.
+pub(crate) fn capacity_for(c: &WorkspaceConfiguration, need: usize) -> usize {
+    let base = need.max(c.initial_size as usize);
+    let mut cap = match c.policy_allocation {
+        AllocationPolicy::Overallocate => base.saturating_add((base as f64 * c.overallocation_limit) as usize),
+        _ => base,
+    };
+    cap = cap.max(c.min_size as usize);
+    cap = if cap >= HUGE_ROUND_THRESHOLD {
+        cap.div_ceil(HUGE_PAGE).saturating_mul(HUGE_PAGE)
+    } else {
+        round_to_page(cap)
+    };
+    if c.temp_block_size > 0 {
+        let g = c.temp_block_size as usize;
+        cap = cap.div_ceil(g).saturating_mul(g);
+    }
+    if c.max_size > 0 {
+        cap = cap.min(c.max_size as usize / crate::BLOCK_ALIGN * crate::BLOCK_ALIGN);
+    }
+    cap
+}
+
+impl CycleLearner {
+    pub fn new(config: &WorkspaceConfiguration) -> Self {
+        CycleLearner { initialized: config.policy_learning == LearningPolicy::None, ..Default::default() }
+    }
+
+    /// The outermost cycle `generation` ended with `facts`, and the arena holds `current` bytes:
+    /// what to do with it. `uses_arena`: false when the allocation or debug policy keeps every
+    /// block outside an arena (the learner still learns, for the statistics).
+    pub fn end_cycle(
+        &mut self,
+        c: &WorkspaceConfiguration,
+        generation: u64,
+        facts: CycleFacts,
+        current: usize,
+        uses_arena: bool,
+    ) -> Sizing {
+        // Spills from an arena holding nothing kept: it is too small for this cycle (or too
+        // fragmented by it), by what spilled.
+        let short = if facts.spilled > 0 && !facts.kept_in_arena && current > 0 {
+            current.saturating_add(facts.spilled)
+        } else {
+            0
+        };
+        if c.policy_learning == LearningPolicy::Adaptive {
+            self.recent[(generation % NEED_WINDOW as u64) as usize] = facts.need.max(short);
+            self.cycles_learned += 1;
+            self.initialized = true;
+            let window = self.recent.iter().copied().max().unwrap_or(0);
+            self.need = window;
+            if !uses_arena {
+                return Sizing::Keep;
+            }
+            let target = capacity_for(c, window);
+            // Shrink only well below the current size, so cycles that vary a little never remap.
+            let shrink = current > target.saturating_add(target / 10).max(round_to_page(1));
+            if target > current || shrink {
+                return Sizing::Map { capacity: target, prefault: window };
+            }
+            return Sizing::Keep;
+        }
+        if !self.initialized {
+            // What a learning cycle leaves live stays beside the next cycle's blocks (state
+            // replaced every cycle, as ND4J's first loop sees it): it counts once more.
+            self.need = self.need.max(facts.need.saturating_add(facts.escaped));
+            self.cycles_learned += 1;
+            if self.cycles_learned < c.cycles_before_initialization.max(1) {
+                return Sizing::Keep;
+            }
+            self.initialized = true;
+            return self.grow_to(c, self.need, current, uses_arena);
+        }
+        let adapts = c.policy_spill == SpillPolicy::Reallocate
+            || (c.policy_learning == LearningPolicy::OverTime && c.policy_spill != SpillPolicy::Fail);
+        if adapts && facts.spilled > 0 {
+            self.need = self.need.max(facts.need).max(short);
+            return self.grow_to(c, self.need, current, uses_arena);
+        }
+        Sizing::Keep
+    }
+
+    pub fn is_adaptive(&self, c: &WorkspaceConfiguration) -> bool {
+        c.policy_learning == LearningPolicy::Adaptive
+    }
+
+    /// Sizes the arena now from what was learned (or from the initial and minimum sizes).
+    pub fn initialize(&mut self, c: &WorkspaceConfiguration, current: usize, uses_arena: bool) -> Sizing {
+        self.initialized = true;
+        self.grow_to(c, self.need, current, uses_arena)
+    }
+
+    fn grow_to(&self, c: &WorkspaceConfiguration, need: usize, current: usize, uses_arena: bool) -> Sizing {
+        let capacity = capacity_for(c, need);
+        if uses_arena && capacity > current {
+            Sizing::Map { capacity, prefault: need }
+        } else {
+            Sizing::Keep
+        }
+    }
+}
