@@ -1,4 +1,5 @@
-"""Every test starts with no workspaces on its thread and NumPy's default handler current."""
+"""Every test starts with no workspaces on its thread and NumPy's default handler current, and
+leaves it so (closed scopes settled)."""
 
 from __future__ import annotations
 

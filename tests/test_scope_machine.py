@@ -164,7 +164,7 @@ class ScopeMachine(RuleBasedStateMachine):
         if top is not None and top.debug_mode_name != "BYPASS_EVERYTHING":
             assert handler_name() == f"rustws:{top.id}:{top.name}", "NumPy's handler is not the innermost's"
         elif top is None:
-            assert _rustws.get_handler() is self.handler
+            assert _rustws.effective_handler() is self.handler
 
     @invariant()
     def statistics_stay_consistent(self):

@@ -16,17 +16,17 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import rustws
 from rustws import WorkspaceConfiguration, _rustws
 
-try:  # NumPy 2
-    from numpy._core.multiarray import get_handler_name
-except ImportError:  # NumPy 1.x
-    from numpy.core.multiarray import get_handler_name
-
 MiB = 1 << 20
 
 
 def serving(ws) -> bool:
-    """Whether NumPy's current handler is ``ws``'s (itself, or a scope lending it)."""
-    return get_handler_name() == f"rustws:{ws.id}:{ws.name}"
+    """Whether the handler serving NumPy here is ``ws``'s (itself, or a scope lending it)."""
+    return effective_name() == f"rustws:{ws.id}:{ws.name}"
+
+
+def effective_name() -> str | None:
+    """The name of the handler serving NumPy here, past closed scopes left in place."""
+    return _rustws.handler_name(_rustws.effective_handler())
 
 
 def cfg(**kw):
@@ -51,7 +51,7 @@ def test_a_generator_finalised_under_another_scope_leaves_nothing_open():
         assert rustws.current_workspace() is b
         assert rustws.owner(np.ones(5) * 2) is b
     assert rustws.current_workspace() is None
-    assert _rustws.get_handler() is default
+    assert _rustws.effective_handler() is default
     assert rustws.owner(np.ones(5) * 2) is None  # `a` captures nothing any more
 
 
@@ -65,10 +65,10 @@ def test_unlinking_a_scope_fixes_the_handler_the_scopes_above_restore():
     with pytest.warns(ResourceWarning, match="unlinked"):
         a.__exit__(None, None, None)
     # No scope above `a` installs a handler: NumPy's default is back at once.
-    assert get_handler_name() == "default_allocator"
+    assert effective_name() == "default_allocator"
     assert rustws.current_workspace() is b
     b.__exit__(None, None, None)
-    assert _rustws.get_handler() is default
+    assert _rustws.effective_handler() is default
 
     c = rustws.workspace("FIX-C", cfg())
     a.__enter__()
@@ -77,7 +77,7 @@ def test_unlinking_a_scope_fixes_the_handler_the_scopes_above_restore():
         a.__exit__(None, None, None)
     assert serving(c)
     c.__exit__(None, None, None)  # restores what `a` had replaced, not `a`'s handler
-    assert _rustws.get_handler() is default
+    assert _rustws.effective_handler() is default
     assert rustws.current_workspace() is None
 
 
@@ -118,7 +118,7 @@ def _interrupt_at_every_line(factory) -> list[int]:
             pass
         finally:
             sys.settrace(None)
-        if _rustws.current_workspace() is not None or _rustws.get_handler() is not default:
+        if _rustws.current_workspace() is not None or _rustws.effective_handler() is not default:
             leaked.append(n)
             _rustws.set_handler(default)
     return leaked
@@ -150,7 +150,7 @@ def test_borrow_and_scope_out_nest_and_restore():
             assert nothing is None and rustws.current_workspace() is None
             assert rustws.owner(np.ones(4) + 1) is None
         assert rustws.current_workspace() is ws
-    assert _rustws.get_handler() is default
+    assert _rustws.effective_handler() is default
     assert not ws.is_open
 
 
@@ -238,7 +238,7 @@ class ScopeStack(RuleBasedStateMachine):
         assert rustws.current_workspace() is top
         ws = self.serving()
         if ws is None:
-            assert get_handler_name() == "default_allocator"
+            assert effective_name() == "default_allocator"
         else:
             assert serving(ws)
         for name in SPACES:

@@ -232,11 +232,13 @@ class WorkspaceConfiguration:
     def adaptive(cls, **changes: Any) -> WorkspaceConfiguration:
         """The profile of ``rustws.workspace(name)`` without a configuration: learning
         ``ADAPTIVE`` (every cycle informs the arena's size, which follows the largest need of the
-        recent cycles, grows within a long cycle and shrinks after outliers) and spills
-        ``REALLOCATE``; ``changes`` override any field."""
+        recent cycles, grows after a cycle that needed more and shrinks after outliers), spills
+        ``REALLOCATE``, and ``helper_min_size`` 1 KiB (smaller requests are served by NumPy's own
+        allocator, as fast as any arena for them); ``changes`` override any field."""
         base: dict[str, Any] = {
             "policy_learning": LearningPolicy.ADAPTIVE,
             "policy_spill": SpillPolicy.REALLOCATE,
+            "helper_min_size": 1024,
         }
         return cls(**{**base, **changes})
 

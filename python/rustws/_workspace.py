@@ -28,11 +28,6 @@ from . import _rustws
 from ._config import WorkspaceConfiguration, WorkspaceStats
 from ._errors import LeakedArrayError, NoSuchWorkspaceError, WorkspaceClosedError
 
-try:  # NumPy 2
-    from numpy._core.multiarray import get_handler_name as _get_handler_name
-except ImportError:  # pragma: no cover - NumPy 1.x
-    from numpy.core.multiarray import get_handler_name as _get_handler_name
-
 __all__ = [
     "Workspace",
     "current_workspace",
@@ -232,24 +227,26 @@ def workspace(
     config: WorkspaceConfiguration | None = None,
     *,
     device: str = "cpu",
-    capture: bool = True,
+    capture: bool | None = None,
 ) -> Workspace:
     """The calling thread's workspace ``name``, created on first use; every ``with`` is one cycle.
 
     Without ``config`` a host workspace uses ``WorkspaceConfiguration.adaptive()``. Asking again
     with a different configuration replaces a closed workspace (an open one raises
-    ``ValueError``).
+    ``ValueError``). ``capture`` defaults to True for a new workspace; looking one up leaves it
+    as it is unless given.
     """
     name = _check_name(name)
     cfg = _check_config(config)
     dev, ordinal = _check_device(device)
-    if not isinstance(capture, bool):
+    if capture is not None and not isinstance(capture, bool):
         raise TypeError(f"capture must be a bool, got {type(capture).__name__}")
     reg = _registry()
     ws = reg.get(name)
     if ws is not None and not ws.is_destroyed:
         if (cfg is None or cfg == ws.config) and dev == getattr(ws, "requested_device", ws.device):
-            ws.capture = capture
+            if capture is not None:
+                ws.capture = capture
             return ws
         if ws.is_open:
             raise ValueError(
@@ -261,6 +258,7 @@ def workspace(
         # Without a configuration: the adaptive profile on the host; device workspaces keep
         # ND4J's default (their memory is explicit, never captured).
         cfg = WorkspaceConfiguration.adaptive() if ordinal is None else WorkspaceConfiguration()
+    capture = True if capture is None else capture
     if ordinal is None:
         ws = Workspace(name, cfg._core_dict())
         ws._setup(cfg, dev, capture)
@@ -305,6 +303,9 @@ def scope_out_of_workspaces() -> contextlib.AbstractContextManager[None]:
 def destroy_all_workspaces_for_current_thread() -> None:
     for ws in list(_registry().values()):
         ws.destroy()
+    # Scopes closed from elsewhere (a finaliser on another thread) leave closed nodes on top of
+    # this context's stack: NumPy's handler goes back to what the open scopes chose.
+    _rustws.settle_scopes()
 
 
 def detach(a: Any) -> np.ndarray:
@@ -341,15 +342,8 @@ def owner(a: Any) -> Workspace | None:
         base = base.base
     if not isinstance(base, np.ndarray) or not base.flags.owndata:
         return None
-    name = _get_handler_name(base)
-    if not name or not name.startswith("rustws:"):
-        return None
-    try:
-        ident = int(name.split(":", 2)[1])
-    except (IndexError, ValueError):
-        return None
-    ws = _BY_ID.get(ident)
-    return ws if ws is not None and ws._holds(base) else None
+    ident = _rustws.block_owner(base)
+    return _BY_ID.get(ident) if ident is not None else None
 
 
 def _fmt_bytes(n: int) -> str:

@@ -54,6 +54,10 @@ pub enum BlockKind {
     /// A request far larger than a cycle's usual footprint: a lazily faulted mapping of its own,
     /// counted as external memory and kept for reuse while such requests recur.
     Huge = 4,
+    /// Memory of another allocator that a caller wrote a header in front of (the bindings serve
+    /// small and uncaptured NumPy requests from NumPy's own allocator): never a workspace's to
+    /// free.
+    Foreign = 5,
 }
 
 /// The header in front of every block. Exactly one cache line, so data stays 64-byte aligned.
@@ -64,6 +68,8 @@ pub struct BlockHeader {
     pub kind: BlockKind,
     /// Id of the region holding an arena block.
     pub region: u32,
+    /// The token of the workspace that handed the block out ([`crate::Workspace::token`]).
+    pub owner: u64,
     /// Bytes from this header to the next one (arena) or of the whole allocation (external).
     pub slot: usize,
     /// Bytes the caller asked for.
@@ -75,9 +81,9 @@ pub struct BlockHeader {
 const _: () = assert!(std::mem::size_of::<BlockHeader>() == HEADER);
 
 impl BlockHeader {
-    /// The header of a block just handed out.
-    pub fn live(kind: BlockKind, region: u32, slot: usize, requested: usize, generation: u64) -> Self {
-        BlockHeader { magic: MAGIC_LIVE, kind, region, slot, requested, generation }
+    /// The header of a block just handed out by the workspace `owner`.
+    pub fn live(kind: BlockKind, owner: u64, region: u32, slot: usize, requested: usize, generation: u64) -> Self {
+        BlockHeader { magic: MAGIC_LIVE, kind, region, owner, slot, requested, generation }
     }
 
     pub fn is_live(&self) -> bool {
@@ -133,9 +139,11 @@ pub fn slot_for(size: usize) -> Option<usize> {
 /// # Safety
 /// `at` is 64-byte aligned and valid for writes of `HEADER` bytes, and the caller owns
 /// `[at, at + slot)` exclusively.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn write_live_header(
     at: NonNull<u8>,
     kind: BlockKind,
+    owner: u64,
     region: u32,
     slot: usize,
     requested: usize,
@@ -144,9 +152,21 @@ pub unsafe fn write_live_header(
     debug_assert_eq!(at.as_ptr() as usize % BLOCK_ALIGN, 0);
     // SAFETY: the caller guarantees `at` is aligned and writable for a header.
     unsafe {
-        at.cast::<BlockHeader>().as_ptr().write(BlockHeader::live(kind, region, slot, requested, generation));
+        at.cast::<BlockHeader>().as_ptr().write(BlockHeader::live(kind, owner, region, slot, requested, generation));
         at.add(HEADER)
     }
+}
+
+/// The kind of the block whose header is at `h`, if the header says live (a freed or foreign
+/// header yields None: its kind byte is not read).
+///
+/// # Safety
+/// `h` is readable for `HEADER` bytes and 64-byte aligned.
+#[inline]
+pub unsafe fn live_kind(h: *const BlockHeader) -> Option<BlockKind> {
+    // SAFETY: the caller's guarantee; the kind is read only behind a live magic, which only
+    // `BlockHeader::live` writes, together with a valid kind.
+    unsafe { (std::ptr::addr_of!((*h).magic).read() == MAGIC_LIVE).then(|| std::ptr::addr_of!((*h).kind).read()) }
 }
 
 /// The header in front of a data pointer.
@@ -166,6 +186,8 @@ pub unsafe fn header_of(data: NonNull<u8>) -> NonNull<BlockHeader> {
 #[derive(Debug)]
 pub struct ArenaRegion {
     id: u32,
+    /// The token of the workspace it belongs to (written in its blocks' headers).
+    owner: u64,
     data: NonNull<u8>,
     meta: NonNull<u8>,
     capacity: usize,
@@ -203,7 +225,7 @@ impl ArenaRegion {
     /// Maps a region of `capacity` bytes (a multiple of 64) from `backend`; `lists`: keep LIFO
     /// free lists by class (a region that rewinds at cycle ends), else allocate circularly. Its
     /// pages fault in on first use, or earlier through [`ArenaRegion::populate`].
-    pub fn new(id: u32, capacity: usize, backend: Arc<dyn Backend>, lists: bool) -> Result<Self, String> {
+    pub fn new(id: u32, owner: u64, capacity: usize, backend: Arc<dyn Backend>, lists: bool) -> Result<Self, String> {
         debug_assert_eq!(capacity % BLOCK_ALIGN, 0);
         let data = backend.map(capacity, false)?;
         let meta = if backend.host_accessible() {
@@ -220,6 +242,7 @@ impl ArenaRegion {
         };
         let mut region = ArenaRegion {
             id,
+            owner,
             data,
             meta,
             capacity,
@@ -331,6 +354,7 @@ impl ArenaRegion {
                 magic: MAGIC_FREE,
                 kind: BlockKind::Arena,
                 region: self.id,
+                owner: self.owner,
                 slot,
                 requested: 0,
                 generation: 0,
@@ -440,7 +464,7 @@ impl ArenaRegion {
         // SAFETY: `[off, off+slot)` was carved from a hole for the caller and is inside the
         // mapping; offsets are multiples of 64 from 64-aligned bases; headers go to `meta`.
         unsafe {
-            write_live_header(self.meta.add(off), BlockKind::Arena, self.id, slot, requested, generation);
+            write_live_header(self.meta.add(off), BlockKind::Arena, self.owner, self.id, slot, requested, generation);
             self.data.add(off + HEADER)
         }
     }

@@ -7,6 +7,11 @@ use std::str::FromStr;
 
 use crate::error::Error;
 
+/// The adaptive profile's `helper_min_size`: smaller requests are served by the allocator the
+/// workspace would otherwise replace (NumPy's own, with its cache of small blocks), which is as
+/// fast as any arena for them and takes no lock.
+pub const ADAPTIVE_HELPER_MIN_SIZE: u64 = 1024;
+
 /// The largest size any field may take: 2^48 bytes (256 TiB) is more than any mapping can hold.
 pub const MAX_SIZE_BYTES: u64 = 1 << 48;
 
@@ -224,6 +229,7 @@ impl WorkspaceConfiguration {
         WorkspaceConfiguration {
             policy_learning: LearningPolicy::Adaptive,
             policy_spill: SpillPolicy::Reallocate,
+            helper_min_size: ADAPTIVE_HELPER_MIN_SIZE,
             ..WorkspaceConfiguration::default()
         }
     }

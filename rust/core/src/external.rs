@@ -29,6 +29,8 @@ pub(crate) struct OwnBlocks {
     backend: Arc<dyn Backend>,
     /// Whether headers sit in front of their blocks (the CPU can touch the backend's memory).
     inline: bool,
+    /// The token of the workspace the blocks belong to.
+    owner: u64,
     /// Headers of blocks whose header cannot sit in front of them, by data address; each
     /// pointer owns its allocation.
     outside: HashMap<usize, NonNull<BlockHeader>>,
@@ -76,9 +78,10 @@ unsafe fn free_header(h: NonNull<BlockHeader>) {
 }
 
 impl OwnBlocks {
-    pub fn new(backend: Arc<dyn Backend>) -> Self {
+    pub fn new(backend: Arc<dyn Backend>, owner: u64) -> Self {
         OwnBlocks {
             inline: backend.host_accessible(),
+            owner,
             backend,
             outside: HashMap::new(),
             cache: BlockCache {
@@ -100,7 +103,7 @@ impl OwnBlocks {
         zeroed: bool,
         generation: u64,
     ) -> Result<NonNull<u8>, String> {
-        let header = BlockHeader::live(kind, 0, slot, size, generation);
+        let header = BlockHeader::live(kind, self.owner, 0, slot, size, generation);
         if !self.inline {
             // The table has room before the driver is asked: a full table refuses cleanly.
             self.outside.try_reserve(1).map_err(|_| "no host memory for a block header".to_string())?;
@@ -121,7 +124,7 @@ impl OwnBlocks {
         }
         let at = if zeroed { self.backend.alloc_block_zeroed(slot) } else { self.backend.alloc_block(slot) }?;
         // SAFETY: `at` is a fresh 64-aligned block of `slot >= HEADER` bytes owned by us.
-        Ok(unsafe { write_live_header(at, kind, 0, slot, size, generation) })
+        Ok(unsafe { write_live_header(at, kind, self.owner, 0, slot, size, generation) })
     }
 
     /// The header of a block of its own.

@@ -19,7 +19,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::accounts::{Accounts, CycleReport, WorkspaceStats};
-use crate::arena::{write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
+use crate::arena::{live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
 use crate::backend::{round_to_page, AnonymousMemory, Backend, FileMappedMemory, BLOCK_ALIGN};
 use crate::classes::{class_of, class_size};
 use crate::config::{AllocationPolicy, DebugMode, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration};
@@ -64,6 +64,9 @@ impl Drop for Workspace {
     }
 }
 
+/// Workspace tokens: unique in the process, never 0.
+static NEXT_TOKEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// Where a live block lives, for tests and `owner` lookups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockInfo {
@@ -78,6 +81,8 @@ pub struct BlockInfo {
 #[derive(Debug)]
 pub struct Workspace {
     name: Name,
+    /// Unique in the process; written in the header of every block the workspace hands out.
+    token: u64,
     config: WorkspaceConfiguration,
     debug: DebugMode,
     backend: Arc<dyn Backend>,
@@ -86,8 +91,16 @@ pub struct Workspace {
     region: Option<ArenaRegion>,
     retired: Vec<ArenaRegion>,
     next_region_id: u32,
-    depth: u32,
-    generation: u64,
+    /// Cycles open now: more than one when asyncio tasks or threads each run a cycle of this
+    /// workspace at the same time.
+    active: u32,
+    /// Levels nested inside the open cycles (`with ws:` inside `with ws:`).
+    nesting: u32,
+    /// The pinning epoch: blocks handed out in an earlier one are pinned. It advances when the
+    /// last open cycle closes.
+    epoch: u64,
+    /// Cycles completed (each outermost exit, overlapping ones included).
+    cycles: u64,
     /// The one truth of whether the workspace was destroyed.
     destroyed: bool,
     learner: CycleLearner,
@@ -138,19 +151,23 @@ impl Workspace {
         config.validate()?;
         let debug = config.effective_debug_mode();
         let huge_blocks = backend.host_accessible() && config.policy_location == LocationPolicy::Ram;
+        let token = NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut ws = Workspace {
             name: Name::from(name),
+            token,
             learner: CycleLearner::new(&config),
             config,
             debug,
             inline_headers: backend.host_accessible(),
-            own: OwnBlocks::new(backend.clone()),
+            own: OwnBlocks::new(backend.clone(), token),
             backend,
             region: None,
             retired: Vec::new(),
             next_region_id: 1,
-            depth: 0,
-            generation: 0,
+            active: 0,
+            nesting: 0,
+            epoch: 0,
+            cycles: 0,
             destroyed: false,
             accounts: Accounts::default(),
             huge_blocks,
@@ -176,6 +193,11 @@ impl Workspace {
         &self.name
     }
 
+    /// Unique in the process (never 0); every block's header names it.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+
     pub fn config(&self) -> &WorkspaceConfiguration {
         &self.config
     }
@@ -190,11 +212,17 @@ impl Workspace {
     }
 
     pub fn is_open(&self) -> bool {
-        self.depth > 0
+        self.active > 0
     }
 
+    /// Open cycles and the levels nested in them.
     pub fn depth(&self) -> u32 {
-        self.depth
+        self.active + self.nesting
+    }
+
+    /// Cycles open now (more than one when they overlap).
+    pub fn open_cycles(&self) -> u32 {
+        self.active
     }
 
     pub fn is_destroyed(&self) -> bool {
@@ -203,7 +231,7 @@ impl Workspace {
 
     /// Completed cycles.
     pub fn generation(&self) -> u64 {
-        self.generation
+        self.cycles
     }
 
     pub fn is_initialized(&self) -> bool {
@@ -279,7 +307,7 @@ impl Workspace {
         }
         let id = self.next_region_id;
         let lists = self.config.policy_reset == ResetPolicy::BlockLeft;
-        let region = ArenaRegion::new(id, cap, self.backend.clone(), lists).map_err(|detail| {
+        let region = ArenaRegion::new(id, self.token, cap, self.backend.clone(), lists).map_err(|detail| {
             Error::SystemOutOfMemory { workspace: self.name.clone(), requested: cap as u64, detail }
         })?;
         // Pre-fault what cycles will touch again, so that a learned cycle takes no page faults;
@@ -320,10 +348,30 @@ impl Workspace {
         }
     }
 
-    /// Opens a cycle, or nests in the open one.
+    /// Opens a cycle, or nests in the open one (one caller's view: `with ws:` inside `with ws:`).
     pub fn enter(&mut self) -> Result<(), Error> {
+        if self.active > 0 {
+            self.nest()
+        } else {
+            self.open_cycle()
+        }
+    }
+
+    /// Closes the innermost level; the outermost one ends the cycle: learning, sizing, caches,
+    /// rewind.
+    pub fn exit(&mut self) -> Result<CycleReport, Error> {
+        if self.nesting > 0 {
+            self.unnest().map(|()| CycleReport::default())
+        } else {
+            self.close_cycle()
+        }
+    }
+
+    /// Opens a cycle of its own, beside any open ones (another asyncio task's, another
+    /// thread's): each counts as a cycle, and the arena rewinds only when none is open.
+    pub fn open_cycle(&mut self) -> Result<(), Error> {
         self.check_alive()?;
-        if self.depth == 0 {
+        if self.active == 0 {
             self.accounts.open_cycle();
             self.cycle_spilled = 0;
             self.kept_in_arena = self.region.as_ref().is_some_and(|r| r.live_blocks() > 0);
@@ -332,7 +380,26 @@ impl Workspace {
                 self.prefault_now();
             }
         }
-        self.depth += 1;
+        self.active += 1;
+        Ok(())
+    }
+
+    /// Nests a level in an open cycle.
+    pub fn nest(&mut self) -> Result<(), Error> {
+        self.check_alive()?;
+        if self.active == 0 {
+            return Err(Error::NotOpen { workspace: self.name.clone(), operation: "nest" });
+        }
+        self.nesting += 1;
+        Ok(())
+    }
+
+    /// Leaves a nested level.
+    pub fn unnest(&mut self) -> Result<(), Error> {
+        if self.nesting == 0 {
+            return Err(Error::NotOpen { workspace: self.name.clone(), operation: "exit" });
+        }
+        self.nesting -= 1;
         Ok(())
     }
 
@@ -345,16 +412,21 @@ impl Workspace {
         }
     }
 
-    /// Closes the innermost level; the outermost one ends the cycle: learning, sizing, caches,
-    /// rewind.
-    pub fn exit(&mut self) -> Result<CycleReport, Error> {
-        if self.depth == 0 {
+    /// Closes one open cycle: the learner sizes the arena from what the open cycles needed since
+    /// the last close; when it was the last one open, the arena rewinds and what is still live is
+    /// pinned. What escaped is reported then (with cycles overlapping, no block belongs to one).
+    pub fn close_cycle(&mut self) -> Result<CycleReport, Error> {
+        if self.active == 0 {
             return Err(Error::NotOpen { workspace: self.name.clone(), operation: "exit" });
         }
-        self.depth -= 1;
-        if self.depth > 0 || self.destroyed {
+        self.active -= 1;
+        if self.destroyed {
             return Ok(CycleReport::default());
         }
+        if self.active == 0 {
+            self.nesting = 0;
+        }
+        self.cycles += 1;
         let live_blocks = self.live_blocks(); // sizing below moves regions, not blocks
         let facts = CycleFacts {
             need: self.accounts.cycle_need(),
@@ -364,7 +436,7 @@ impl Workspace {
         };
         let current = self.region.as_ref().map_or(0, |r| r.capacity());
         let region_before = self.region.as_ref().map(|r| r.id());
-        let sizing = self.learner.end_cycle(&self.config, self.generation, facts, current, self.uses_arena());
+        let sizing = self.learner.end_cycle(&self.config, self.cycles - 1, facts, current, self.uses_arena());
         if self.apply(sizing).is_err() && !self.learner.is_adaptive(&self.config) {
             // A failure to map leaves the workspace serving externally; it retries next cycle.
             self.learner.initialized = false;
@@ -378,14 +450,22 @@ impl Workspace {
             }
         }
         self.cycle_heap_bytes = 0;
-        self.huge.release_stale(&*self.backend, self.generation);
+        self.huge.release_stale(&*self.backend, self.cycles);
         self.settle_external_cache();
+        self.cycle_spilled = 0;
+        if self.active > 0 {
+            // Other cycles are still open: nothing rewinds and nothing is pinned yet; the next
+            // close learns from what happens from here on.
+            self.accounts.open_cycle();
+            self.external_peak = self.accounts.external_slot;
+            return Ok(CycleReport { completed: true, escaped_blocks: 0, escaped_bytes: 0 });
+        }
         if self.config.policy_reset == ResetPolicy::BlockLeft {
             if let Some(r) = self.region.as_mut() {
                 r.rewind();
             }
         }
-        self.generation += 1;
+        self.epoch += 1;
         let (escaped_blocks, escaped_bytes) = self.accounts.close_cycle(live_blocks);
         Ok(CycleReport { completed: true, escaped_blocks, escaped_bytes })
     }
@@ -394,12 +474,12 @@ impl Workspace {
     /// no more: classes unused for two cycles go back, and so does anything above the largest
     /// external footprint of the recent cycles.
     fn settle_external_cache(&mut self) {
-        let slot = (self.generation % NEED_WINDOW as u64) as usize;
+        let slot = (self.cycles % NEED_WINDOW as u64) as usize;
         self.external_peaks[slot] = self.external_peak;
         if self.own.cached_bytes() == 0 {
             return;
         }
-        self.own.release_stale(self.generation);
+        self.own.release_stale(self.cycles);
         let peak = self.external_peaks.iter().copied().max().unwrap_or(0);
         self.own.shrink_to((peak + peak / 2).saturating_sub(self.accounts.external_slot));
     }
@@ -470,7 +550,7 @@ impl Workspace {
         // Host memory is zero-filled when mapped: never-carved memory needs no write.
         let clear = zeroed && !(self.inline_headers && region.is_fresh(off));
         // SAFETY: `off` was just carved for this slot.
-        let p = unsafe { region.hand_out(off, slot, size, self.generation) };
+        let p = unsafe { region.hand_out(off, slot, size, self.epoch) };
         self.accounts.count_arena(size, slot);
         if clear {
             // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
@@ -514,10 +594,17 @@ impl Workspace {
 
     /// Rung 3: a cached block of the class, made live.
     fn cached_block(&mut self, class: usize, size: usize, zeroed: bool) -> Option<NonNull<u8>> {
-        let (p, slot) = self.own.take_cached(class, self.generation)?;
+        let (p, slot) = self.own.take_cached(class, self.cycles)?;
         // SAFETY: a block of ours just taken off the cache: its header is ours to write.
         unsafe {
-            self.own.header(p).as_ptr().write(BlockHeader::live(BlockKind::External, 0, slot, size, self.generation))
+            self.own.header(p).as_ptr().write(BlockHeader::live(
+                BlockKind::External,
+                self.token,
+                0,
+                slot,
+                size,
+                self.epoch,
+            ))
         };
         if zeroed {
             // SAFETY: `p` is valid for `size <= slot - HEADER` bytes of the backend's memory.
@@ -542,7 +629,7 @@ impl Workspace {
         let live = self.accounts.external_slot.saturating_add(len);
         let peak = self.external_peaks.iter().copied().max().unwrap_or(0).max(self.external_peak).max(live);
         self.own.shrink_to((peak + peak / 2) - live);
-        let p = match self.own.new_block(BlockKind::External, size, len, zeroed, self.generation) {
+        let p = match self.own.new_block(BlockKind::External, size, len, zeroed, self.epoch) {
             Ok(p) => p,
             Err(detail) => return Err(self.system_refused(size, detail)),
         };
@@ -553,7 +640,7 @@ impl Workspace {
 
     /// A block outside the workspace's accounts (`helper_min_size`, the bypass mode).
     fn bypass_block(&mut self, size: usize, slot: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
-        match self.own.new_block(BlockKind::Bypass, size, slot, zeroed, self.generation) {
+        match self.own.new_block(BlockKind::Bypass, size, slot, zeroed, self.epoch) {
             Ok(p) => Ok(p),
             Err(detail) => Err(self.system_refused(size, detail)),
         }
@@ -585,7 +672,7 @@ impl Workspace {
         };
         // SAFETY: `at` is a fresh or reclaimed mapping of `len >= HEADER` bytes, page-aligned,
         // owned by us; huge blocks exist only where headers sit in front of their blocks.
-        let p = unsafe { write_live_header(at, BlockKind::Huge, 0, len, size, self.generation) };
+        let p = unsafe { write_live_header(at, BlockKind::Huge, self.token, 0, len, size, self.epoch) };
         self.huge.live_len += len;
         self.accounts.count_huge(size);
         Ok(p)
@@ -615,17 +702,23 @@ impl Workspace {
             self.bad_frees += 1;
             return;
         };
-        let (live, kind, generation, region, slot, requested) = {
-            // SAFETY: the header of a block of ours; the borrow ends before anything writes it.
-            let h = unsafe { hp.as_ref() };
-            (h.is_live(), h.kind, h.generation, h.region, h.slot, h.requested)
+        // SAFETY: a header of ours (or the 64 readable, aligned bytes in front of a host block).
+        let Some(kind) = (unsafe { live_kind(hp.as_ptr()) }) else {
+            self.bad_frees += 1;
+            return;
         };
-        if !live {
+        let (owner, generation, region, slot, requested) = {
+            // SAFETY: a live header; the borrow ends before anything writes it.
+            let h = unsafe { hp.as_ref() };
+            (h.owner, h.generation, h.region, h.slot, h.requested)
+        };
+        if owner != self.token {
+            // Another workspace's block (or another allocator's): never ours to free.
             self.bad_frees += 1;
             return;
         }
         // The common case: an arena block of the current region, freed in its own cycle.
-        if kind == BlockKind::Arena && generation == self.generation {
+        if kind == BlockKind::Arena && generation == self.epoch {
             if let Some(r) = self.region.as_mut().filter(|r| r.id() == region) {
                 self.accounts.uncount_arena(requested, slot);
                 // SAFETY: the header is live, names this region and is not borrowed.
@@ -674,7 +767,7 @@ impl Workspace {
             let h = unsafe { hp.as_ref() };
             (h.requested, h.slot, h.generation, h.kind, h.region)
         };
-        let pinned = gen != self.generation;
+        let pinned = gen != self.epoch;
         match kind {
             BlockKind::Huge => {
                 self.accounts.uncount_huge(size);
@@ -692,7 +785,7 @@ impl Workspace {
                     unsafe { self.backend.unmap(at, slot) };
                 } else {
                     // SAFETY: as above.
-                    unsafe { self.huge.put(&*self.backend, at, slot, self.generation) };
+                    unsafe { self.huge.put(&*self.backend, at, slot, self.cycles) };
                 }
             }
             BlockKind::Arena => {
@@ -715,7 +808,7 @@ impl Workspace {
                 self.accounts.uncount_external(size, slot);
                 if self.caches_blocks() {
                     // SAFETY: the caller gives the block up; it is put once.
-                    unsafe { self.own.put_cached(p, slot, self.generation) };
+                    unsafe { self.own.put_cached(p, slot, self.cycles) };
                 } else {
                     // SAFETY: as above.
                     unsafe { self.own.release(p, slot) };
@@ -725,6 +818,7 @@ impl Workspace {
                 // SAFETY: the caller gives the block up.
                 unsafe { self.own.release(p, slot) };
             }
+            BlockKind::Foreign => self.bad_frees += 1,
         }
     }
 
@@ -767,7 +861,7 @@ impl Workspace {
         // SAFETY: forwarded.
         let hp = unsafe { self.header(p) }.filter(|h| {
             // SAFETY: a header of ours (or the bytes in front of a host pointer).
-            unsafe { h.as_ref() }.is_live()
+            unsafe { live_kind(h.as_ptr()) }.is_some_and(|k| k != BlockKind::Foreign)
         });
         let Some(hp) = hp else {
             self.bad_frees += 1;
@@ -780,7 +874,7 @@ impl Workspace {
             h.requested = new_size;
             let (o, n) = (old as u64, new_size as u64);
             self.accounts.used = self.accounts.used + n - o;
-            if h.generation != self.generation {
+            if h.generation != self.epoch {
                 self.accounts.pinned = self.accounts.pinned + n - o;
             }
             let live = self.accounts.used + self.accounts.external;
@@ -813,7 +907,8 @@ impl Workspace {
     /// when its last block is freed. Idempotent.
     pub fn destroy(&mut self) {
         self.destroyed = true;
-        self.depth = 0;
+        self.active = 0;
+        self.nesting = 0;
         // The current region retires like one replaced by growth: kept while blocks live in it.
         if let Some(mut r) = self.region.take() {
             if r.live_blocks() > 0 {
@@ -831,10 +926,10 @@ impl Workspace {
         let cap = self.capacity_total() as u64;
         let arena_live = (a.live_slot - a.external_slot) as u64;
         WorkspaceStats {
-            cycles: self.generation,
+            cycles: self.cycles,
             capacity_bytes: cap,
             used_bytes: a.used,
-            peak_cycle_bytes: if self.depth > 0 { a.cycle_peak } else { a.last_cycle_peak },
+            peak_cycle_bytes: if self.active > 0 { a.cycle_peak } else { a.last_cycle_peak },
             cached_bytes: cap - arena_live,
             external_bytes: a.external,
             pinned_bytes: a.pinned,

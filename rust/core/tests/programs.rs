@@ -99,6 +99,7 @@ fn check(w: &Workspace, live: &[Live], ctx: &str) {
             }
             BlockKind::External | BlockKind::Huge => external += b.size as u64,
             BlockKind::Bypass => continue,
+            BlockKind::Foreign => panic!("{ctx}: the core never hands out foreign blocks"),
         }
         if info.generation < w.generation() {
             pinned += b.size as u64;

@@ -5,13 +5,14 @@
 
 mod arrays;
 mod config;
+mod cycles;
 mod devarray;
 mod device;
 mod dlpack;
 mod handler;
 mod scope;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -107,8 +108,6 @@ fn cuda_device_count() -> usize {
     rustws_core::cuda::device_count().unwrap_or(0)
 }
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
 /// A workspace: the core behind a lock, and its NumPy memory handler. Subclassed by
 /// `rustws.Workspace`, which adds the context-manager protocol.
 #[pyclass(subclass, frozen, module = "rustws._rustws")]
@@ -117,30 +116,118 @@ struct WorkspaceCore {
     pub(crate) capsule: Py<PyAny>,
     /// Debug mode BYPASS_EVERYTHING: arrays come from NumPy's default allocator.
     pub(crate) bypass: bool,
-    /// Whether cycles make this workspace NumPy's current allocator.
-    capture: std::sync::atomic::AtomicBool,
     /// `use_cycle_detector`: report arrays that outlive their cycle.
     cycle_detector: bool,
     /// Where the memory comes from (and the CUDA device, for device workspaces).
     pub(crate) memory: Arc<Memory>,
     /// Set once for device workspaces: their `empty` / `zeros` return `DeviceArray`s.
     device: std::sync::OnceLock<DeviceSide>,
+    /// The states of this workspace's open scopes (`with ws:`), innermost last: an exit that
+    /// runs where its scope is not in the stack closes one through them.
+    open_scopes: std::sync::Mutex<Vec<Arc<scope::ScopeState>>>,
 }
 
 impl WorkspaceCore {
-    /// Whether a cycle makes this workspace NumPy's current allocator.
-    fn installs_handler(&self) -> bool {
-        self.capture.load(Ordering::Relaxed) && !self.bypass && self.shared.host_accessible
+    /// Whether a scope of this workspace opened now pushes a capture handler: while `capture` is
+    /// on (the handler then follows the flag while the scope is open, handing requests to the
+    /// handler below it once it is off); otherwise the scope is transparent.
+    pub(crate) fn installs_handler(&self) -> bool {
+        !self.bypass && self.shared.host_accessible && self.shared.capture.load(Ordering::Relaxed)
     }
 
-    fn note_entered(&self) {
-        self.shared.entered_on.store(scope::thread_ident(), Ordering::Relaxed);
+    /// Opens a scope of this workspace in this thread's or task's stack: a cycle of its own, or
+    /// a level nested in this stack's open cycle.
+    pub(crate) fn enter_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>) -> PyResult<()> {
+        let nested = scope::is_open_here(py, me)?;
+        // The guard is dropped before any Python runs: building an exception can run the GC,
+        // which may free this workspace's arrays and take the lock again.
+        let entered = if nested { self.shared.lock().nest() } else { self.shared.lock().open_cycle() };
+        entered.map_err(|e| to_py(py, e))?;
+        let undo = |e: PyErr| {
+            let mut ws = self.shared.lock();
+            let _ = if nested { ws.unnest() } else { ws.close_cycle().map(drop) };
+            e
+        };
+        let installs = self.installs_handler();
+        // The node the last `with` of this workspace left here, reopened in place; else a new one.
+        let reopened = if installs { scope::reopen(py, me, !nested).map_err(undo)? } else { None };
+        let state = match reopened {
+            Some(state) => state,
+            None => {
+                let how = if installs {
+                    scope::Install::Capture(self.shared.clone(), self.capsule.bind(py))
+                } else {
+                    scope::Install::Keep
+                };
+                let state = scope::ScopeState::new(!nested);
+                scope::push(py, me, me, how, state.clone()).map_err(undo)?;
+                state
+            }
+        };
+        self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).push(state);
+        Ok(())
     }
 
-    /// For the message of a refused exit: was the scope entered on another thread?
-    fn entered_elsewhere(&self) -> bool {
-        let on = self.shared.entered_on.load(Ordering::Relaxed);
-        on != 0 && on != scope::thread_ident()
+    /// Reports refused requests and escaped arrays through `_after_cycle`, when there are any.
+    pub(crate) fn after_cycle(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        r: rustws_core::CycleReport,
+        clean: bool,
+    ) -> PyResult<()> {
+        let _ = py;
+        let failures = self.shared.has_failures.load(Ordering::Relaxed);
+        let leaked = r.completed && r.escaped_blocks > 0 && self.cycle_detector;
+        if failures || leaked {
+            me.call_method1("_after_cycle", (leaked && clean, r.escaped_blocks, r.escaped_bytes))?;
+        }
+        Ok(())
+    }
+
+    /// Closes this workspace's innermost scope in this stack (see `__exit__`).
+    pub(crate) fn exit_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>, clean: bool) -> PyResult<()> {
+        let (state, unlinked, elsewhere) = match scope::pop(py, me, None)? {
+            scope::Popped::Innermost(state) => (state, None, false),
+            scope::Popped::Unlinked(state, innermost) => (state, Some(innermost), false),
+            scope::Popped::NotHere => {
+                // Not in this stack: the most recent scope of this workspace still open closes.
+                let last = self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).last().cloned();
+                let Some(state) = last else {
+                    let what = scope::describe(me);
+                    return Err(py_error(py, "ScopeError", format!("{what} is not open (exited twice?)")));
+                };
+                state.close();
+                (state, None, true)
+            }
+        };
+        self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| !Arc::ptr_eq(s, &state));
+        if !self.shared.destroyed.load(Ordering::Relaxed) {
+            let exited = {
+                let mut ws = self.shared.lock();
+                if state.opened_cycle() {
+                    ws.close_cycle()
+                } else {
+                    ws.unnest().map(|()| rustws_core::CycleReport::default())
+                }
+            };
+            reclaim(&self.memory);
+            let r = exited.map_err(|e| to_py(py, e))?;
+            self.after_cycle(py, me, r, clean)?;
+        }
+        if elsewhere {
+            let what = scope::describe(me);
+            let whence = if state.thread != scope::thread_ident() { "another thread" } else { "another task" };
+            return Err(py_error(
+                py,
+                "ScopeError",
+                format!("{what} exited in {whence} than the one that entered it; its scope was closed"),
+            ));
+        }
+        if let Some(innermost) = unlinked {
+            scope::warn_unlinked(py, &scope::describe(me), &innermost)?;
+        }
+        Ok(())
     }
 }
 
@@ -154,36 +241,53 @@ impl Drop for WorkspaceCore {
     }
 }
 
-/// Pushes a scope for `owner` (a workspace or None). `install`: make `handler` (a capsule, or
-/// None for NumPy's default) current; otherwise leave NumPy's handler alone.
+/// The id of the workspace whose memory holds `array`'s data (an ndarray that owns it, handed
+/// out by a handler of ours), or None: NumPy's own memory, a bypass block (`helper_min_size`,
+/// the debug bypass, allocations after `destroy()`), or anything else.
 #[pyfunction]
-fn push_scope(
-    py: Python<'_>,
-    owner: &Bound<'_, PyAny>,
-    install: bool,
-    handler: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    let how = match (install, handler) {
-        (false, _) => scope::Install::Keep,
-        (true, None) => scope::Install::Default,
-        (true, Some(h)) => scope::Install::Handler(h),
-    };
-    scope::push(py, owner, owner, how)?;
-    if let Ok(ws) = owner.cast::<WorkspaceCore>() {
-        ws.get().note_entered();
+fn block_owner(py: Python<'_>, array: &Bound<'_, PyAny>) -> Option<u64> {
+    if !array.is_instance_of::<numpy::PyUntypedArray>() || !direct_arrays_supported(py) {
+        return None;
     }
-    Ok(())
+    // SAFETY: `array` is a live ndarray and the layout of `ArrayFields` was checked.
+    let f = unsafe { &*(array.as_ptr() as *const ArrayFields) };
+    let data = std::ptr::NonNull::new(f.data.cast::<u8>())?;
+    if f.mem_handler.is_null() || f.flags & NPY_ARRAY_OWNDATA == 0 {
+        return None;
+    }
+    // SAFETY: a live array owns a strong reference to its handler.
+    let handler = unsafe { Bound::from_borrowed_ptr(py, f.mem_handler) };
+    handler::served_by(&handler)?;
+    // SAFETY: a handler of ours handed out `data` (the array owns it and names the handler), so
+    // a live header of ours precedes it.
+    unsafe {
+        let h = rustws_core::arena::header_of(data).as_ptr();
+        match rustws_core::arena::live_kind(h)? {
+            rustws_core::BlockKind::Arena | rustws_core::BlockKind::External | rustws_core::BlockKind::Huge => {
+                Some((*h).owner)
+            }
+            _ => None,
+        }
+    }
 }
 
-/// Pops `owner`'s innermost scope; one that is not the innermost is unlinked with a
-/// `ResourceWarning`; `ScopeError` when `owner` has no scope in this context.
+/// The handler serving NumPy here as the open scopes chose it (past closed scopes left on top
+/// of the stack, which hand every request to it).
 #[pyfunction]
-fn pop_scope(py: Python<'_>, owner: &Bound<'_, PyAny>) -> PyResult<()> {
-    let elsewhere = || owner.cast::<WorkspaceCore>().is_ok_and(|w| w.get().entered_elsewhere());
-    if let scope::Popped::Unlinked(innermost) = scope::pop(py, owner, owner, elsewhere)? {
-        scope::warn_unlinked(py, &scope::describe(owner), &innermost)?;
-    }
-    Ok(())
+fn effective_handler(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    scope::effective(py)
+}
+
+/// The name of a `mem_handler` capsule's handler (None for anything else).
+#[pyfunction]
+fn handler_name(capsule: &Bound<'_, PyAny>) -> Option<String> {
+    handler::name_of(capsule)
+}
+
+/// Drops closed scopes from the top of this context's scope stack.
+#[pyfunction]
+fn settle_scopes(py: Python<'_>) -> PyResult<()> {
+    scope::settle(py)
 }
 
 /// The workspace of the innermost scope of this thread or task (None when there is none).
@@ -234,17 +338,17 @@ impl WorkspaceCore {
         };
         let bypass = ws.debug_mode() == DebugMode::BypassEverything;
         let cycle_detector = ws.config().use_cycle_detector;
-        let shared = Arc::new(Shared::new(NEXT_ID.fetch_add(1, Ordering::Relaxed), ws));
+        let shared = Arc::new(Shared::new(ws));
         let capsule = handler::new_capsule(py, &shared)?;
         let memory = source.into_memory(shared.clone());
         Ok(WorkspaceCore {
             shared,
             capsule,
             bypass,
-            capture: true.into(),
             cycle_detector,
             memory,
             device: std::sync::OnceLock::new(),
+            open_scopes: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -363,35 +467,27 @@ impl WorkspaceCore {
     /// Whether cycles make this workspace NumPy's current allocator (never for device memory).
     #[getter]
     fn capture(&self) -> bool {
-        self.capture.load(Ordering::Relaxed) && self.shared.host_accessible
+        self.shared.capture.load(Ordering::Relaxed) && self.shared.host_accessible
     }
 
     #[setter]
     fn set_capture(&self, value: bool) {
-        self.capture.store(value, Ordering::Relaxed);
+        self.shared.capture.store(value, Ordering::Relaxed);
     }
 
-    /// Opens a cycle (or nests in the open one) and makes this workspace current.
+    /// Opens a cycle and makes this workspace current. Inside an open scope of this workspace on
+    /// this thread and task it nests; beside one of another task or thread, it is a cycle of its
+    /// own.
     fn __enter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
-        let py = slf.py();
-        let me = slf.get();
-        // The guard is dropped before any Python runs: building an exception can run the GC,
-        // which may free this workspace's arrays and take the lock again.
-        let entered = me.shared.lock().enter();
-        entered.map_err(|e| to_py(py, e))?;
-        let capsule = me.capsule.bind(py);
-        let how = if me.installs_handler() { scope::Install::Handler(capsule) } else { scope::Install::Keep };
-        if let Err(e) = scope::push(py, slf.as_any(), slf.as_any(), how) {
-            let _ = me.shared.lock().exit();
-            return Err(e);
-        }
-        me.note_entered();
+        slf.get().enter_scope(slf.py(), slf.as_any())?;
         Ok(slf.clone())
     }
 
-    /// Closes this workspace's innermost scope; the outermost level ends the cycle. Reports
+    /// Closes this workspace's innermost scope here; a cycle's scope ends the cycle. Reports
     /// refused requests and escaped arrays through `_after_cycle` when there are any. A scope
-    /// that is not the innermost is unlinked and the exit warns (`ResourceWarning`).
+    /// that is not the innermost is unlinked and the exit warns (`ResourceWarning`); one that is
+    /// not in this thread's or task's stack at all (a generator finalised on another thread) is
+    /// closed all the same, and the exit raises `ScopeError`.
     #[pyo3(signature = (exc_type=None, _exc=None, _tb=None))]
     fn __exit__(
         slf: &Bound<'_, Self>,
@@ -399,24 +495,16 @@ impl WorkspaceCore {
         _exc: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let py = slf.py();
-        let me = slf.get();
-        let popped = scope::pop(py, slf.as_any(), slf.as_any(), || me.entered_elsewhere())?;
-        if !me.shared.destroyed.load(Ordering::Relaxed) {
-            let exited = me.shared.lock().exit();
-            reclaim(&me.memory);
-            let r = exited.map_err(|e| to_py(py, e))?;
-            let failures = me.shared.has_failures.load(Ordering::Relaxed);
-            let leaked = r.completed && r.escaped_blocks > 0 && me.cycle_detector;
-            if failures || leaked {
-                let clean = exc_type.is_none_or(|t| t.is_none());
-                slf.call_method1("_after_cycle", (leaked && clean, r.escaped_blocks, r.escaped_bytes))?;
-            }
-        }
-        if let scope::Popped::Unlinked(innermost) = popped {
-            scope::warn_unlinked(py, &scope::describe(slf.as_any()), &innermost)?;
-        }
+        let clean = exc_type.is_none_or(|t| t.is_none());
+        slf.get().exit_scope(slf.py(), slf.as_any(), clean)?;
         Ok(false)
+    }
+
+    /// Iterates over `iterable`, each item one cycle of this workspace (the loop form: the scope
+    /// is set up once for the whole loop; leaving the loop, by `break` or an exception, closes
+    /// the open cycle).
+    fn cycles(slf: &Bound<'_, Self>, iterable: &Bound<'_, PyAny>) -> PyResult<cycles::Cycles> {
+        cycles::Cycles::new(slf, iterable)
     }
 
     /// The statistics as a tuple in the order of `WorkspaceStats`' fields.
@@ -440,36 +528,6 @@ impl WorkspaceCore {
     /// Messages of requests refused since the last call.
     fn _drain_failures(&self) -> Vec<String> {
         self.shared.drain_failures()
-    }
-
-    /// Whether `array` (an ndarray that owns its data) holds memory of this workspace: its
-    /// handler is this workspace's and its block is in the arena or external, not a bypass block
-    /// (`helper_min_size`, debug bypass, allocations after `destroy()`).
-    fn _holds(&self, py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<bool> {
-        if !array.is_instance_of::<numpy::PyUntypedArray>() {
-            return Ok(false);
-        }
-        if !direct_arrays_supported(py) {
-            return Ok(true); // the layout is unknown: the handler's name is all there is
-        }
-        // SAFETY: `array` is a live ndarray and the layout of `ArrayFields` was checked.
-        let f = unsafe { &*(array.as_ptr() as *const ArrayFields) };
-        let Some(data) = std::ptr::NonNull::new(f.data.cast::<u8>()) else { return Ok(false) };
-        if f.mem_handler.is_null() || f.flags & NPY_ARRAY_OWNDATA == 0 {
-            return Ok(false);
-        }
-        // The array's handler is this workspace's capsule, or a scope node lending its handler.
-        // SAFETY: a live array owns a strong reference to its handler.
-        let array_handler = unsafe { Bound::from_borrowed_ptr(py, f.mem_handler) };
-        if handler::lent_handler(&array_handler) != handler::lent_handler(self.capsule.bind(py)) {
-            return Ok(false);
-        }
-        let ws = self.shared.lock();
-        // SAFETY: NumPy allocated `data` through this workspace's handler (the array's
-        // mem_handler is our capsule and it owns its data), and the array is alive, so the block
-        // is live in this workspace.
-        let info = unsafe { ws.block_info(data) };
-        Ok(info.kind != rustws_core::BlockKind::Bypass)
     }
 
     /// Opens (or nests) a cycle without making the workspace current: for a workspace that
@@ -564,6 +622,7 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkspaceCore>()?;
     m.add_class::<DeviceBuffer>()?;
     m.add_class::<scope::Scope>()?;
+    m.add_class::<cycles::Cycles>()?;
     m.add_class::<DeviceArray>()?;
     m.add_class::<DisposeStatistics>()?;
     m.add_function(wrap_pyfunction!(devarray::wrap_host, m)?)?;
@@ -583,9 +642,11 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_probe, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
-    m.add_function(wrap_pyfunction!(push_scope, m)?)?;
-    m.add_function(wrap_pyfunction!(pop_scope, m)?)?;
     m.add_function(wrap_pyfunction!(current_workspace, m)?)?;
+    m.add_function(wrap_pyfunction!(settle_scopes, m)?)?;
+    m.add_function(wrap_pyfunction!(effective_handler, m)?)?;
+    m.add_function(wrap_pyfunction!(handler_name, m)?)?;
+    m.add_function(wrap_pyfunction!(block_owner, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HEADER_BYTES", Workspace::header_bytes())?;
     Ok(())

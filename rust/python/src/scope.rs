@@ -1,31 +1,82 @@
 //! The per-context scope stack: which workspace is innermost, which NumPy handler to restore.
 //!
 //! The stack lives in NumPy's own current-handler `ContextVar` (so threads and asyncio tasks each
-//! see their own, exactly as they see their own handler): each scope is a *node*, a
-//! `mem_handler` capsule that serves NumPy like the handler in force inside the scope (its
-//! pointer is that handler's `PyDataMemHandler`) and whose context is a [`NodeData`]: `owner` is
-//! a workspace or None (`scope_out_of_workspaces`), `key` identifies the scope (the workspace for
-//! a cycle, the [`Scope`] object for `borrow()` and `scope_out_of_workspaces()`), `below` is the
+//! see their own, exactly as they see their own handler): each scope is a *node*, a `mem_handler`
+//! capsule that serves NumPy inside the scope, and whose context is a [`NodeData`]: `owner` is a
+//! workspace or None (`scope_out_of_workspaces`), `key` identifies the scope (the workspace for a
+//! cycle, the [`Scope`] object for `borrow()` and `scope_out_of_workspaces()`), `below` is the
 //! value the variable held before (the parent node, or the handler to restore), `served` the
-//! capsule whose handler the node lends (kept alive by it), `installs` whether the scope chose it
-//! (else it serves whatever is below). Nodes never change once made. Entering and leaving a scope
-//! is one variable write each; arrays NumPy allocates inside keep a reference to the node, as they
-//! do to any handler.
+//! capsule whose handler the node lends when it does not capture, and `state` the scope's
+//! [`ScopeState`]: the thread that opened it and whether it is still open.
+//!
+//! A capturing node lends a handler of its own ([`handler::capture_handler`]), which serves a
+//! request from the workspace only on the scope's thread while the scope is open. So a context
+//! copied while the scope was open (a thread pool's task, `asyncio.to_thread`, `copy_context()`)
+//! captures nothing on another thread, nor anywhere once the scope has closed; reading the stack
+//! likewise skips the nodes of closed scopes and of other threads.
+//!
+//! A capturing scope that exits as the innermost one closes at once (its handler hands every
+//! request to the handler below it from then on) but its node stays in place: the next cycle of
+//! the same workspace in this context reopens it in place, so a loop of `with ws:` blocks writes
+//! NumPy's context variable once, not twice per cycle. The first request made through a closed
+//! node outside any cycle, or the next scope opened here, puts back what was below it
+//! ([`settle`]). Other scopes restore what was below them when they exit.
 //!
 //! Scopes may exit out of order, as TorchSharp's dispose scopes do: the scope that exits is
-//! unlinked wherever it is in the stack (the nodes above it are rebuilt over what was below it),
-//! and the caller warns with a `ResourceWarning`. So a finaliser (a generator closed while another
-//! scope is innermost) can never leave a workspace open. Each push and pop runs with the cyclic
-//! garbage collector paused: no finaliser can change the stack between reading and writing it.
+//! unlinked wherever it is in the stack (the open nodes above it are rebuilt over what was below
+//! it), and the caller warns with a `ResourceWarning`. A scope whose exit runs where its node is
+//! not in the stack (a generator finalised on another thread, a task destroyed while pending) is
+//! closed all the same through its state. Each push and pop runs with the cyclic garbage
+//! collector paused: no finaliser can change the stack between reading and writing it.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use pyo3::exceptions::PyResourceWarning;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
-use crate::handler;
+use crate::handler::{self, Capture, PyDataMemHandler, Shared};
+
+/// One open scope, shared by its node (and the nodes rebuilt for it) and its owner.
+#[derive(Debug)]
+pub(crate) struct ScopeState {
+    /// The thread that opened it.
+    pub thread: u64,
+    /// Until it exits.
+    pub open: AtomicBool,
+    /// Whether it opened a cycle of its workspace (else it nests in one, or borrows).
+    cycle: AtomicBool,
+}
+
+impl ScopeState {
+    pub fn new(cycle: bool) -> Arc<Self> {
+        Arc::new(ScopeState { thread: thread_ident(), open: AtomicBool::new(true), cycle: AtomicBool::new(cycle) })
+    }
+
+    pub fn opened_cycle(&self) -> bool {
+        self.cycle.load(Ordering::Relaxed)
+    }
+
+    /// Open, and opened on this thread.
+    pub fn is_here(&self) -> bool {
+        self.open.load(Ordering::Relaxed) && self.thread == thread_ident()
+    }
+
+    /// Closes it; returns whether it was open.
+    pub fn close(&self) -> bool {
+        self.open.swap(false, Ordering::Relaxed)
+    }
+}
+
+/// A capturing node's handler and what it serves through, inside the node's (boxed) data, so the
+/// handler's `ctx` (the capture) stays put.
+struct CaptureHandler {
+    capture: Capture,
+    handler: PyDataMemHandler,
+}
 
 /// What a node records: strong references, released by `node_destructor`.
 struct NodeData {
@@ -35,10 +86,15 @@ struct NodeData {
     key: *mut ffi::PyObject,
     /// The variable's value before the push: the parent node, or the handler to restore.
     below: *mut ffi::PyObject,
-    /// The capsule whose handler the node lends.
+    /// The capsule whose handler the node lends when it does not capture.
     served: *mut ffi::PyObject,
     /// Whether the scope chose the handler (else it lends whatever is below it).
     installs: bool,
+    state: Arc<ScopeState>,
+    /// The node's own handler, when it captures.
+    capture: Option<CaptureHandler>,
+    /// The node's capsule (borrowed: the capsule owns this data).
+    capsule: *mut ffi::PyObject,
 }
 
 unsafe extern "C" fn node_destructor(capsule: *mut ffi::PyObject) {
@@ -84,6 +140,13 @@ impl<'py> Node<'_, 'py> {
     fn served(&self) -> Bound<'py, PyAny> {
         self.get(self.data.served)
     }
+    /// Open, on this thread: a scope of this stack's own.
+    fn is_here(&self) -> bool {
+        self.data.state.is_here()
+    }
+    fn shared(&self) -> Option<Arc<Shared>> {
+        self.data.capture.as_ref().map(|c| c.capture.shared.clone())
+    }
 }
 
 /// `obj` as one of our nodes, if it is one.
@@ -109,37 +172,87 @@ fn as_node<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> Option<Node<'a, 'py>> {
     }
 }
 
-/// A node for `owner` / `key` over `below`, lending `served`'s handler.
+/// How a node serves NumPy.
+enum Lends<'a, 'py> {
+    /// The handler of this capsule.
+    Handler(&'a Bound<'py, PyAny>),
+    /// A capture handler of its own over this workspace (`served` is the workspace's capsule).
+    Capture(Arc<Shared>, &'a Bound<'py, PyAny>),
+}
+
+/// A node for `owner` / `key` with `state`, over `below`.
 fn new_node<'py>(
     py: Python<'py>,
     owner: &Bound<'py, PyAny>,
     key: &Bound<'py, PyAny>,
     below: &Bound<'py, PyAny>,
-    served: &Bound<'py, PyAny>,
+    lends: Lends<'_, 'py>,
     installs: bool,
+    state: Arc<ScopeState>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let lent = handler::lent_handler(served);
-    if lent.is_null() {
-        return Err(pyo3::exceptions::PyTypeError::new_err("a scope's handler must be a mem_handler capsule"));
-    }
-    // SAFETY: `lent` is the `PyDataMemHandler` of `served`, which the node keeps alive through its
-    // data; the name is a static C string as the capsule API requires.
-    let cap = unsafe { ffi::PyCapsule_New(lent, handler::CAPSULE_NAME.as_ptr(), Some(node_destructor)) };
-    if cap.is_null() {
-        return Err(PyErr::fetch(py));
-    }
-    // SAFETY: a new reference we own; its destructor finds no context yet and returns.
-    let cap = unsafe { Bound::from_owned_ptr(py, cap) };
+    let (served, capture) = match lends {
+        Lends::Handler(h) => (h, None),
+        Lends::Capture(shared, capsule) => {
+            // What the workspace does not take goes to the handler below (kept alive by the
+            // node's reference to `below`).
+            let below_handler = handler::lent_handler(below).cast::<PyDataMemHandler>().cast_const();
+            let handler = handler::capture_handler(std::ptr::null(), &shared);
+            let capture = Capture { shared, state: state.clone(), below: below_handler, node: std::ptr::null() };
+            (capsule, Some(CaptureHandler { handler, capture }))
+        }
+    };
     let data = Box::into_raw(Box::new(NodeData {
         owner: owner.clone().into_ptr(),
         key: key.clone().into_ptr(),
         below: below.clone().into_ptr(),
         served: served.clone().into_ptr(),
         installs,
+        state,
+        capture,
+        capsule: std::ptr::null_mut(),
     }));
+    // SAFETY: `data` is the fresh box just made, owned here until the capsule takes it.
+    let lent = unsafe {
+        match (*data).capture.as_mut() {
+            Some(c) => {
+                // The handler's context is the capture beside it, in the same box.
+                c.handler.allocator.ctx = (&c.capture as *const Capture).cast_mut().cast();
+                c.capture.node = data.cast_const().cast();
+                (&mut c.handler as *mut PyDataMemHandler).cast::<c_void>()
+            }
+            None => handler::lent_handler(served),
+        }
+    };
+    let cap = if lent.is_null() {
+        std::ptr::null_mut()
+    } else {
+        // SAFETY: `lent` is a `PyDataMemHandler` the node keeps alive (its own, in its data, or
+        // `served`'s, which its data references); the name is a static C string as the capsule
+        // API requires.
+        unsafe { ffi::PyCapsule_New(lent, handler::CAPSULE_NAME.as_ptr(), Some(node_destructor)) }
+    };
+    if cap.is_null() {
+        // SAFETY: the box was never handed to a capsule: released here, with its references.
+        unsafe {
+            let data = Box::from_raw(data);
+            for obj in [data.owner, data.key, data.below, data.served] {
+                ffi::Py_DECREF(obj);
+            }
+        }
+        return Err(if lent.is_null() {
+            pyo3::exceptions::PyTypeError::new_err("a scope's handler must be a mem_handler capsule")
+        } else {
+            PyErr::fetch(py)
+        });
+    }
+    // SAFETY: a new reference we own; its destructor finds no context yet and returns.
+    let cap = unsafe { Bound::from_owned_ptr(py, cap) };
     // SAFETY: `cap` is our fresh capsule; the context takes ownership of the box, which
     // `node_destructor` releases. Setting a capsule's context cannot fail for a valid capsule.
-    unsafe { ffi::PyCapsule_SetContext(cap.as_ptr(), data.cast::<c_void>()) };
+    unsafe {
+        (*data).capsule = cap.as_ptr();
+        ffi::PyCapsule_SetContext(cap.as_ptr(), data.cast::<c_void>());
+    }
     Ok(cap)
 }
 
@@ -234,8 +347,9 @@ pub enum Install<'a, 'py> {
     Keep,
     /// NumPy's default allocator.
     Default,
-    /// This `mem_handler` capsule.
-    Handler(&'a Bound<'py, PyAny>),
+    /// Capture: the workspace behind this handler capsule serves the scope's thread while it is
+    /// open.
+    Capture(Arc<Shared>, &'a Bound<'py, PyAny>),
 }
 
 pub fn thread_ident() -> u64 {
@@ -243,73 +357,197 @@ pub fn thread_ident() -> u64 {
     unsafe { pyo3::ffi::PyThread_get_thread_ident() as u64 }
 }
 
-/// Pushes a scope for `owner` (a workspace, or None) identified by `key`.
-pub fn push(py: Python<'_>, owner: &Bound<'_, PyAny>, key: &Bound<'_, PyAny>, how: Install<'_, '_>) -> PyResult<()> {
+/// Pushes a scope for `owner` (a workspace, or None) identified by `key`, with `state`.
+pub fn push(
+    py: Python<'_>,
+    owner: &Bound<'_, PyAny>,
+    key: &Bound<'_, PyAny>,
+    how: Install<'_, '_>,
+    state: Arc<ScopeState>,
+) -> PyResult<()> {
     let _gc = GcPaused::new(py);
-    let below = current_handler(py)?;
+    let mut below = current_handler(py)?;
+    // Closed scopes left on top (a loop left by `break` whose iterator died elsewhere) go: the
+    // new scope restores what was below them.
+    while let Some(node) = as_node(&below) {
+        if node.data.state.open.load(Ordering::Relaxed) {
+            break;
+        }
+        let next = node.below();
+        below = next;
+    }
     let node = match how {
-        Install::Keep => new_node(py, owner, key, &below, &below, false)?,
-        Install::Default => new_node(py, owner, key, &below, handler::default_handler(py)?, true)?,
-        Install::Handler(h) => new_node(py, owner, key, &below, h, true)?,
+        Install::Keep => new_node(py, owner, key, &below, Lends::Handler(&below), false, state)?,
+        Install::Default => {
+            new_node(py, owner, key, &below, Lends::Handler(handler::default_handler(py)?), true, state)?
+        }
+        Install::Capture(shared, capsule) => {
+            new_node(py, owner, key, &below, Lends::Capture(shared, capsule), true, state)?
+        }
     };
     install(py, &node)
 }
 
-/// How a scope left the stack.
-pub enum Popped {
-    /// It was the innermost.
-    Innermost,
-    /// It was unlinked from under the scope described here (the innermost one).
-    Unlinked(String),
-}
-
-/// Pops the scope `key` (of `owner`, for messages) and restores what was below it. The innermost
-/// scope is popped in O(1); another one is unlinked from wherever it is, the nodes above it
-/// rebuilt over what was below it (a node that lent the handler below it now lends the new one).
-/// `ScopeError` when the scope is not in this context's stack: `elsewhere` tells, for the message
-/// only, whether it was entered on another thread.
-pub fn pop(
-    py: Python<'_>,
-    owner: &Bound<'_, PyAny>,
-    key: &Bound<'_, PyAny>,
-    elsewhere: impl FnOnce() -> bool,
-) -> PyResult<Popped> {
-    let _gc = GcPaused::new(py);
-    let top = current_handler(py)?;
-    if let Some(node) = as_node(&top) {
-        if node.key_is(key) {
-            install(py, &node.below())?;
-            return Ok(Popped::Innermost);
-        }
-    }
-    // Out of order: find the scope, rebuild the nodes above it over what was below it.
-    let mut above: Vec<Bound<'_, PyAny>> = Vec::new();
-    let mut cursor = top.clone();
-    let below_found = loop {
-        let Some(node) = as_node(&cursor) else {
-            let what = describe(owner);
-            let msg = if elsewhere() {
-                format!("{what} exited from another thread than the one that entered it")
-            } else {
-                format!("{what} is not open in this thread or task (exited twice?)")
-            };
-            return Err(crate::py_error(py, "ScopeError", msg));
-        };
-        if node.key_is(key) {
-            break node.below();
+/// The handler that serves NumPy here as the open scopes chose it: NumPy's current one, past the
+/// nodes of closed scopes left on top.
+pub fn effective(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let mut top = current_handler(py)?;
+    while let Some(node) = as_node(&top) {
+        if node.data.state.open.load(Ordering::Relaxed) {
+            break;
         }
         let next = node.below();
-        above.push(cursor);
+        top = next;
+    }
+    Ok(top)
+}
+
+/// Drops the nodes of closed scopes from the top of this context's stack (scopes closed from
+/// elsewhere: a finaliser on another thread, a loop's iterator dropped elsewhere), so that NumPy's
+/// current handler is again what the open scopes chose.
+pub fn settle(py: Python<'_>) -> PyResult<()> {
+    let _gc = GcPaused::new(py);
+    let top = current_handler(py)?;
+    let mut below = top.clone();
+    while let Some(node) = as_node(&below) {
+        if node.data.state.open.load(Ordering::Relaxed) {
+            break;
+        }
+        let next = node.below();
+        below = next;
+    }
+    if !below.is(&top) {
+        install(py, &below)?;
+    }
+    Ok(())
+}
+
+/// Reopens the innermost node when it is a closed capturing scope of `key` opened on this
+/// thread (the last `with ws:` of this workspace here): its state, open again, is returned, with
+/// `cycle` recorded; NumPy's handler is already the node's. None otherwise.
+pub fn reopen(py: Python<'_>, key: &Bound<'_, PyAny>, cycle: bool) -> PyResult<Option<Arc<ScopeState>>> {
+    let top = current_handler(py)?;
+    let Some(node) = as_node(&top) else { return Ok(None) };
+    let state = &node.data.state;
+    if !node.key_is(key)
+        || node.data.capture.is_none()
+        || state.thread != thread_ident()
+        || state.open.load(Ordering::Relaxed)
+    {
+        return Ok(None);
+    }
+    state.cycle.store(cycle, Ordering::Relaxed);
+    state.open.store(true, Ordering::Relaxed);
+    Ok(Some(state.clone()))
+}
+
+/// Called by a closed capturing node's handler on the thread that opened it, with the GIL held:
+/// when that node is still NumPy's current handler in this context, what was below it goes back
+/// (a request outside any cycle after a `with ws:` block), so later requests no longer pass
+/// through it.
+pub(crate) fn settle_closed(py: Python<'_>, node: *const c_void) {
+    let Ok(top) = current_handler(py) else {
+        // SAFETY: the GIL is held; the failed read set an exception nobody awaits.
+        unsafe { ffi::PyErr_Clear() };
+        return;
+    };
+    let Some(n) = as_node(&top) else { return };
+    if !std::ptr::eq(n.data as *const NodeData as *const c_void, node) {
+        return;
+    }
+    let _gc = GcPaused::new(py);
+    if install(py, &n.below()).is_err() {
+        // SAFETY: as above.
+        unsafe { ffi::PyErr_Clear() };
+    }
+}
+
+/// Whether this stack holds an open scope of `key` opened on this thread (a `with ws:` inside
+/// `with ws:` nests in it).
+pub fn is_open_here(py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let mut cursor = current_handler(py)?;
+    while let Some(node) = as_node(&cursor) {
+        if node.key_is(key) && node.is_here() {
+            return Ok(true);
+        }
+        let next = node.below();
+        cursor = next;
+    }
+    Ok(false)
+}
+
+/// How a scope left the stack (with its state, now closed).
+pub enum Popped {
+    /// It was the innermost open scope.
+    Innermost(Arc<ScopeState>),
+    /// It was unlinked from under the scope described here (the innermost open one).
+    Unlinked(Arc<ScopeState>, String),
+    /// This stack does not hold it open (another thread's, another task's, or closed already).
+    NotHere,
+}
+
+/// Pops the scope `key` with `state` (None: the innermost of `key` on this thread), closes its
+/// state and restores what was below it. The innermost scope is popped in O(1); another one is
+/// unlinked from wherever it is, the open nodes above it rebuilt over what was below it (a node
+/// that lent the handler below it now lends the new one). Nodes of closed scopes and of other
+/// threads on the way are dropped.
+pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState>>) -> PyResult<Popped> {
+    let _gc = GcPaused::new(py);
+    let top = current_handler(py)?;
+    let matches = |node: &Node<'_, '_>| {
+        node.key_is(key) && node.is_here() && state.is_none_or(|s| Arc::ptr_eq(s, &node.data.state))
+    };
+    if let Some(node) = as_node(&top) {
+        if matches(&node) {
+            node.data.state.close();
+            if node.data.capture.is_none() {
+                install(py, &node.below())?;
+            }
+            // A capturing node stays, closed, until reopened or settled (see the module docs).
+            return Ok(Popped::Innermost(node.data.state.clone()));
+        }
+    }
+    // Out of order, or over closed nodes: find the scope, rebuild the open nodes above it.
+    let mut above: Vec<Bound<'_, PyAny>> = Vec::new();
+    let mut cursor = top.clone();
+    let (below_found, popped) = loop {
+        let Some(node) = as_node(&cursor) else { return Ok(Popped::NotHere) };
+        if matches(&node) {
+            node.data.state.close();
+            break (node.below(), node.data.state.clone());
+        }
+        let next = node.below();
+        if node.is_here() {
+            above.push(cursor);
+        }
         cursor = next;
     };
     let mut rebuilt = below_found;
     for node in above.iter().rev().filter_map(as_node) {
-        let served = if node.data.installs { node.served() } else { rebuilt.clone() };
-        rebuilt = new_node(py, &node.owner(), &node.key(), &rebuilt, &served, node.data.installs)?;
+        let lends = match node.shared() {
+            Some(shared) => Lends::Capture(shared, &node.served()),
+            None if node.data.installs => Lends::Handler(&node.served()),
+            None => Lends::Handler(&rebuilt),
+        };
+        let lends = match lends {
+            Lends::Handler(h) => Lends::Handler(&h.clone()),
+            other => other,
+        };
+        rebuilt = new_node(
+            py,
+            &node.owner(),
+            &node.key(),
+            &rebuilt.clone(),
+            lends,
+            node.data.installs,
+            node.data.state.clone(),
+        )?;
     }
     install(py, &rebuilt)?;
-    let innermost = above.first().and_then(as_node).map_or_else(|| "none".to_string(), |n| describe(&n.owner()));
-    Ok(Popped::Unlinked(innermost))
+    match above.first().and_then(as_node) {
+        Some(n) => Ok(Popped::Unlinked(popped, describe(&n.owner()))),
+        None => Ok(Popped::Innermost(popped)),
+    }
 }
 
 pub fn describe(owner: &Bound<'_, PyAny>) -> String {
@@ -332,21 +570,32 @@ pub fn warn_unlinked(py: Python<'_>, what: &str, innermost: &str) -> PyResult<()
     PyErr::warn(py, &py.get_type::<PyResourceWarning>(), &msg, 1)
 }
 
-/// The workspace of the innermost scope, or None.
+/// The workspace of the innermost open scope of this thread, or None.
 pub fn current(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    let top = current_handler(py)?;
-    Ok(as_node(&top).map_or_else(|| py.None().into_bound(py), |n| n.owner()))
+    let mut cursor = current_handler(py)?;
+    while let Some(node) = as_node(&cursor) {
+        if node.is_here() {
+            return Ok(node.owner());
+        }
+        let next = node.below();
+        cursor = next;
+    }
+    Ok(py.None().into_bound(py))
 }
 
 /// A scope without a cycle: `Workspace.borrow()` (the workspace current, capturing when it
 /// captures) and `scope_out_of_workspaces()` (no workspace current, NumPy's default allocator).
 /// Entering pushes and exiting pops in one step each, so no exception (a signal handler's
-/// `KeyboardInterrupt`) can leave it half done.
+/// `KeyboardInterrupt`) can leave it half done; an exit where the scope is not in the stack (a
+/// finaliser on another thread) still closes it.
 #[pyclass(frozen, module = "rustws._rustws")]
 pub struct Scope {
     owner: Py<PyAny>,
     install: bool,
     handler: Option<Py<PyAny>>,
+    /// The states of this object's open scopes, innermost last (an object may be entered again
+    /// inside itself).
+    open: std::sync::Mutex<Vec<Arc<ScopeState>>>,
 }
 
 #[pymethods]
@@ -361,23 +610,23 @@ impl Scope {
                 return Err(pyo3::exceptions::PyTypeError::new_err("handler must be a mem_handler capsule or None"));
             }
         }
-        Ok(Scope { owner, install, handler })
+        Ok(Scope { owner, install, handler, open: std::sync::Mutex::new(Vec::new()) })
     }
 
     fn __enter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let me = slf.get();
         let owner = me.owner.bind(py);
-        let handler = me.handler.as_ref().map(|h| h.bind(py));
-        let how = match (me.install, handler) {
-            (false, _) => Install::Keep,
-            (true, None) => Install::Default,
-            (true, Some(h)) => Install::Handler(h),
+        let ws = owner.cast::<crate::WorkspaceCore>().ok();
+        let how = match (me.install, me.handler.as_ref().map(|h| h.bind(py)), ws) {
+            (false, _, _) => Install::Keep,
+            (true, None, _) => Install::Default,
+            (true, Some(h), Some(ws)) if ws.get().installs_handler() => Install::Capture(ws.get().shared.clone(), h),
+            (true, Some(_), _) => Install::Keep,
         };
-        push(py, owner, slf.as_any(), how)?;
-        if let Ok(ws) = owner.cast::<crate::WorkspaceCore>() {
-            ws.get().note_entered();
-        }
+        let state = ScopeState::new(false);
+        push(py, owner, slf.as_any(), how, state.clone())?;
+        me.open.lock().unwrap_or_else(|e| e.into_inner()).push(state);
         Ok(owner.clone())
     }
 
@@ -389,11 +638,24 @@ impl Scope {
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let py = slf.py();
-        let owner = slf.get().owner.bind(py);
-        if let Popped::Unlinked(innermost) = pop(py, owner, slf.as_any(), || false)? {
-            let what = if owner.is_none() { describe(owner) } else { format!("borrow() of {}", describe(owner)) };
-            warn_unlinked(py, &what, &innermost)?;
+        let me = slf.get();
+        let owner = me.owner.bind(py);
+        let what = || if owner.is_none() { describe(owner) } else { format!("borrow() of {}", describe(owner)) };
+        let state = me.open.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let Some(state) = state else {
+            return Err(crate::py_error(py, "ScopeError", format!("{} is not open (exited twice?)", what())));
+        };
+        match pop(py, slf.as_any(), Some(&state))? {
+            Popped::Innermost(_) => Ok(false),
+            Popped::Unlinked(_, innermost) => warn_unlinked(py, &what(), &innermost).map(|()| false),
+            Popped::NotHere => {
+                state.close();
+                Err(crate::py_error(
+                    py,
+                    "ScopeError",
+                    format!("{} exited on another thread or task than the one that entered it; it was closed", what()),
+                ))
+            }
         }
-        Ok(false)
     }
 }
