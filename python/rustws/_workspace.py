@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _rustws
 from ._config import WorkspaceConfiguration, WorkspaceStats
-from ._errors import LeakedArrayError, NoSuchWorkspaceError, WorkspaceClosedError
+from ._errors import LeakedArrayError, NoSuchWorkspaceError, WorkspaceClosedError, WorkspaceOutOfMemory
 
 try:  # NumPy 2
     from numpy._core.multiarray import get_handler_name as _get_handler_name
@@ -132,8 +132,7 @@ class Workspace(_rustws.WorkspaceCore):
     # Cycles: ``__enter__`` / ``__exit__`` are the core's (rustws._rustws.WorkspaceCore); this
     # hook runs only when a cycle has something to report.
     def _after_cycle(self, leaked: bool, escaped_blocks: int, escaped_bytes: int) -> None:
-        for message in self._drain_failures():
-            logger.warning("%s", message)
+        _report_refusals(self._drain_failures())
         if leaked:
             cycle = self.generation - 1
             message = (
@@ -194,6 +193,25 @@ class Workspace(_rustws.WorkspaceCore):
         # ``owner`` still finds it while this object lives: its memory holds the remaining arrays.
 
     close = destroy
+
+
+def _report_refusals(messages: list[str]) -> None:
+    """Tells why captured requests were refused. NumPy turns a refusal into its plain
+    ``MemoryError`` ("Unable to allocate ..."); when that error is what leaves the cycle, the
+    workspace's reasons are added to it as notes (PEP 678), so the traceback says why. Refusals
+    whose error was caught inside the cycle are logged (WARNING) instead."""
+    if not messages:
+        return
+    exc = sys.exc_info()[1]
+    if isinstance(exc, MemoryError) and not isinstance(exc, WorkspaceOutOfMemory):
+        notes = getattr(exc, "__notes__", ())
+        for message in messages:
+            note = f"rustws: {message}"
+            if note not in notes:
+                exc.add_note(note)
+        return
+    for message in messages:
+        logger.warning("%s", message)
 
 
 def _check_name(name: Any) -> str:

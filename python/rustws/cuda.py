@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _rustws
 from ._config import LearningPolicy, MirroringPolicy, WorkspaceConfiguration
-from ._errors import DeviceUnavailableError
+from ._errors import DeviceUnavailableError, WorkspaceClosedError
 from ._workspace import _BY_ID, Workspace, _set_device_factory
 
 __all__ = ["DeviceArray", "DeviceWorkspace", "asarray", "device_count", "is_available", "unavailable_reason"]
@@ -156,17 +156,24 @@ def asarray(a: Any, workspace: Any) -> DeviceArray:
 
 
 def _gpu_ordinal(ws: Any, user: str) -> int:
-    """The CUDA ordinal of ``ws``, a live device workspace on a GPU; else a ``TypeError`` /
-    ``ValueError`` saying why ``user`` cannot take it."""
+    """The CUDA ordinal of ``ws``, a live device workspace on a GPU. Otherwise: ``TypeError`` for
+    anything but a device workspace, ``WorkspaceClosedError`` for a destroyed one,
+    ``DeviceUnavailableError`` (with the reason) for one that fell back to host memory because
+    the device is unusable, ``ValueError`` for one configured to hold host memory
+    (``HOST_ONLY``)."""
     if not isinstance(ws, DeviceWorkspace):
         raise TypeError(f"{user} needs a device workspace, got {type(ws).__name__}")
     if ws.is_destroyed:
-        raise ValueError(f"workspace {ws.name!r} was destroyed")
+        raise WorkspaceClosedError(f"workspace {ws.name!r} was destroyed")
     dl = ws._dl
     if not ws._on_device or dl is None or dl[0] != _KDL_CUDA:
+        if ws.fallback_reason is not None:
+            raise DeviceUnavailableError(
+                f"workspace {ws.name!r} fell back to host memory: device {ws.requested_device!r} is "
+                f"unavailable ({ws.fallback_reason}); {user} needs a workspace on a GPU"
+            )
         raise ValueError(
-            f"workspace {ws.name!r} holds host memory ({ws.fallback_reason or 'HOST_ONLY mirroring'}); "
-            f"{user} needs a workspace on a GPU"
+            f"workspace {ws.name!r} holds host memory (HOST_ONLY mirroring); {user} needs a workspace on a GPU"
         )
     return int(dl[1])
 
