@@ -104,7 +104,17 @@ class Workspace(_rustws.WorkspaceCore):
         if config.use_cycle_detector and os.environ.get("RUSTWS_TRACE") == "1":
             # Record where explicit allocations happen, for the escape report. (Captured
             # allocations happen inside NumPy, where no Python runs.)
-            for fname in ("empty", "zeros", "full", "empty_like", "zeros_like"):
+            for fname in (
+                "empty",
+                "zeros",
+                "ones",
+                "full",
+                "empty_like",
+                "zeros_like",
+                "ones_like",
+                "full_like",
+                "asarray",
+            ):
                 setattr(self, fname, self._traced(getattr(self, fname)))
 
     def _traced(self, allocate: Any) -> Any:
@@ -155,6 +165,28 @@ class Workspace(_rustws.WorkspaceCore):
         return _rustws.Scope(self, install, self.handler)  # type: ignore[return-value]
 
     # -- allocation ---------------------------------------------------------------------------
+    # ``empty`` and ``zeros`` are the bindings' (no Python runs per call). The rest follow NumPy's
+    # signatures; where NumPy keeps an ndarray subclass (``subok=True``, layouts ``order="K"``
+    # cannot express as C or F) NumPy itself makes the array, with this workspace as its allocator
+    # for the call, so subclasses and their ``__array_finalize__`` behave exactly as in NumPy.
+    def _numpy_here(self, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``make(*args, **kwargs)`` with this workspace as NumPy's allocator (whatever scopes are
+        open); a refusal raises ``WorkspaceOutOfMemory`` with the workspace's reason."""
+        if self.is_destroyed:
+            raise WorkspaceClosedError(f"workspace {self.name!r} was destroyed")
+        previous = _rustws.set_handler(self.handler)
+        try:
+            return make(*args, **kwargs)
+        except MemoryError as e:
+            if isinstance(e, WorkspaceOutOfMemory):
+                raise
+            reasons = self._drain_failures()
+            if not reasons:
+                raise
+            raise WorkspaceOutOfMemory(reasons[-1]) from None
+        finally:
+            _rustws.set_handler(previous)
+
     def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> np.ndarray:
         """A new array over workspace memory filled with ``fill_value``."""
         fill = np.asarray(fill_value)
@@ -168,15 +200,78 @@ class Workspace(_rustws.WorkspaceCore):
             np.copyto(a, fill, casting="unsafe")
         return a
 
-    def empty_like(self, a: Any, dtype: Any = None) -> np.ndarray:
-        a = np.asarray(a)
-        order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-        return self._ndarray(a.shape, a.dtype if dtype is None else dtype, order)
+    def ones(self, shape: Any, dtype: Any = float, order: str = "C") -> np.ndarray:
+        """As ``np.ones``, over workspace memory."""
+        return type(self).full(self, shape, 1, np.dtype(dtype), order)
 
-    def zeros_like(self, a: Any, dtype: Any = None) -> np.ndarray:
-        a = np.asarray(a)
-        order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-        return self._ndarray(a.shape, a.dtype if dtype is None else dtype, order, True)
+    def _like(self, a: Any, dtype: Any, order: str, subok: bool, shape: Any, fill: Any) -> Any:
+        """NumPy's ``*_like``: ``fill`` is None (empty), 0 (zeros) or the fill value."""
+        proto = a if isinstance(a, np.ndarray) else _as_ndarray(a)
+        dt = proto.dtype if dtype is None else np.dtype(dtype)
+        _refuse_objects(dt)
+        o = order.upper() if isinstance(order, str) else order
+        contiguous = proto.flags.c_contiguous or proto.flags.f_contiguous
+        if (subok and type(proto) is not np.ndarray) or (o == "K" and not contiguous) or o not in "KACF":
+            out = self._numpy_here(np.empty_like, proto, dt, order, subok, shape)
+            if fill is not None:
+                np.copyto(out, fill, casting="unsafe")
+            return out
+        shp = proto.shape if shape is None else shape
+        if o in ("K", "A"):
+            # As NumPy: "A" and "K" follow a Fortran-only prototype, "K" only at the same ndim.
+            fortran = proto.flags.f_contiguous and not proto.flags.c_contiguous
+            if o == "K" and shape is not None:
+                fortran = fortran and (len(shp) if isinstance(shp, (tuple, list)) else 1) == proto.ndim
+            o = "F" if fortran else "C"
+        if fill is None or (isinstance(fill, int) and fill == 0 and not isinstance(fill, bool)):
+            return self._ndarray(shp, dt, o, fill is not None)
+        out = self._ndarray(shp, dt, o)
+        np.copyto(out, fill, casting="unsafe")
+        return out
+
+    def empty_like(
+        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> Any:
+        """As ``np.empty_like``, over workspace memory (subclasses kept with ``subok``)."""
+        return self._like(a, dtype, order, subok, shape, None)
+
+    def zeros_like(
+        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> Any:
+        """As ``np.zeros_like``, over workspace memory."""
+        return self._like(a, dtype, order, subok, shape, 0)
+
+    def ones_like(
+        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> Any:
+        """As ``np.ones_like``, over workspace memory."""
+        return self._like(a, dtype, order, subok, shape, 1)
+
+    def full_like(
+        self,
+        a: Any,
+        fill_value: Any,
+        dtype: Any = None,
+        order: str = "K",
+        subok: bool = True,
+        shape: Any = None,
+    ) -> Any:
+        """As ``np.full_like``, over workspace memory."""
+        return self._like(a, dtype, order, subok, shape, fill_value)
+
+    def asarray(self, a: Any, dtype: Any = None, order: str | None = None) -> Any:
+        """As ``np.asarray``, with the result in this workspace: ``a`` itself (as an ndarray) when
+        it already lives here with that dtype and order, else a copy made here."""
+        src = a if isinstance(a, np.ndarray) else _as_ndarray(a)
+        _refuse_objects(src.dtype if dtype is None else np.dtype(dtype))
+        if owner(src) is self:
+            return self._numpy_here(np.asarray, src, dtype=dtype, order=order)
+        return self._numpy_here(np.array, src, dtype=dtype, order="K" if order is None else order, copy=True)
+
+    def _copy_of(self, a: np.ndarray) -> Any:
+        """A copy of ``a`` in this workspace, of its subclass (as ``np.copy(a, subok=True)``)."""
+        _refuse_objects(a.dtype)
+        return self._numpy_here(np.array, a, copy=True, subok=True, order="K")
 
     # -- state --------------------------------------------------------------------------------
     def stats(self) -> WorkspaceStats:
@@ -193,6 +288,18 @@ class Workspace(_rustws.WorkspaceCore):
         # ``owner`` still finds it while this object lives: its memory holds the remaining arrays.
 
     close = destroy
+
+
+def _refuse_objects(dtype: np.dtype[Any]) -> None:
+    if dtype.hasobject:
+        raise TypeError(f"dtype {dtype} holds Python objects; workspace memory never holds Python references")
+
+
+def _as_ndarray(a: Any) -> np.ndarray:
+    """``a`` as an ndarray without asking it for a copy: ``np.asarray`` calls ``__array__``
+    without the ``copy`` keyword, which frameworks written before NumPy 2 (PyTorch's tensors
+    among them) answer with a ``DeprecationWarning`` when NumPy passes it."""
+    return np.asarray(a)
 
 
 def _report_refusals(messages: list[str]) -> None:
@@ -326,26 +433,26 @@ def destroy_all_workspaces_for_current_thread() -> None:
 
 
 def detach(a: Any) -> np.ndarray:
-    """An independent copy of ``a`` in ordinary memory (also inside a capturing cycle)."""
+    """An independent copy of ``a`` in ordinary memory (also inside a capturing cycle), of its
+    ndarray subclass."""
     previous = _rustws.set_handler(None)
     try:
-        return np.array(a, copy=True, subok=True)
+        src = a if isinstance(a, (np.ndarray, _rustws.DeviceArray)) else _as_ndarray(a)
+        return np.array(src, copy=True, subok=True)
     finally:
         _rustws.set_handler(previous)
 
 
 def leverage_to(name: str, a: Any, *, enforce_existence: bool = False) -> Any:
-    """A copy of ``a`` in the open workspace ``name``; ``a`` itself when there is none (or
-    ``NoSuchWorkspaceError`` when ``enforce_existence``)."""
+    """A copy of ``a`` in the open workspace ``name`` (of its ndarray subclass); ``a`` itself when
+    there is none (or ``NoSuchWorkspaceError`` when ``enforce_existence``)."""
     target = get_workspace(name)
     if target is None or not target.is_open:
         if enforce_existence:
             raise NoSuchWorkspaceError(f"no open workspace {name!r} on this thread")
         return a
-    arr = np.asarray(a)
-    out = target.empty_like(arr)
-    np.copyto(out, arr, casting="no")
-    return out
+    src = a if isinstance(a, np.ndarray) else _as_ndarray(a)
+    return target._copy_of(src)
 
 
 def owner(a: Any) -> Workspace | None:

@@ -124,19 +124,64 @@ class DeviceWorkspace(Workspace):
             return out.copy_from(np.full(out.shape, fill_value, out.dtype))
         return _rustws.wrap_host(Workspace.full(self, shape, fill_value, dtype, order), self, self.device)
 
-    def _like(self, a: Any) -> tuple[tuple[int, ...], np.dtype[Any], str]:
+    def _like(self, a: Any, dtype: Any, order: str, shape: Any) -> tuple[tuple[int, ...], np.dtype[Any], str]:
+        """Shape, dtype and order of NumPy's ``*_like`` (DeviceArrays have no subclasses, and
+        are C or F contiguous)."""
         if isinstance(a, DeviceArray):
-            return a.shape, a.dtype, "F" if a._fortran else "C"
-        arr = np.asarray(a)
-        return arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+            shp, dt, fortran = a.shape, a.dtype, a._fortran
+        else:
+            arr = np.asarray(a)
+            shp, dt = arr.shape, arr.dtype
+            fortran = arr.flags.f_contiguous and not arr.flags.c_contiguous
+        o = order.upper() if isinstance(order, str) else order
+        if shape is not None:
+            new = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
+            fortran = fortran and (o == "A" or len(new) == len(shp))
+            shp = new
+        if o in ("K", "A"):
+            o = "F" if fortran else "C"
+        return shp, dt if dtype is None else np.dtype(dtype), o
 
-    def empty_like(self, a: Any, dtype: Any = None) -> Any:
-        shape, dt, order = self._like(a)
-        return self.empty(shape, dt if dtype is None else dtype, order)
+    def empty_like(
+        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> Any:
+        return self.empty(*self._like(a, dtype, order, shape))
 
-    def zeros_like(self, a: Any, dtype: Any = None) -> Any:
-        shape, dt, order = self._like(a)
-        return self.zeros(shape, dt if dtype is None else dtype, order)
+    def zeros_like(
+        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> Any:
+        return self.zeros(*self._like(a, dtype, order, shape))
+
+    def ones_like(
+        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> Any:
+        shp, dt, o = self._like(a, dtype, order, shape)
+        return self.full(shp, 1, dt, o)
+
+    def full_like(
+        self,
+        a: Any,
+        fill_value: Any,
+        dtype: Any = None,
+        order: str = "K",
+        subok: bool = True,
+        shape: Any = None,
+    ) -> Any:
+        shp, dt, o = self._like(a, dtype, order, shape)
+        return self.full(shp, fill_value, dt, o)
+
+    def asarray(self, a: Any, dtype: Any = None, order: str | None = None) -> Any:
+        """``a`` as a ``DeviceArray`` of this workspace: itself when it is one already (with that
+        dtype), else a copy."""
+        if isinstance(a, DeviceArray) and a.workspace is self and dtype in (None, a.dtype):
+            return a
+        src = a.to_numpy() if isinstance(a, DeviceArray) else np.asarray(a)
+        if dtype is not None or order is not None:
+            src = np.asarray(src, dtype=dtype, order=order)
+        return asarray(src, self)
+
+    def _copy_of(self, a: np.ndarray) -> Any:
+        return asarray(a, self)
 
 
 def asarray(a: Any, workspace: Any) -> DeviceArray:
@@ -173,7 +218,8 @@ def _gpu_ordinal(ws: Any, user: str) -> int:
                 f"unavailable ({ws.fallback_reason}); {user} needs a workspace on a GPU"
             )
         raise ValueError(
-            f"workspace {ws.name!r} holds host memory (HOST_ONLY mirroring); {user} needs a workspace on a GPU"
+            f"workspace {ws.name!r} holds host memory (HOST_ONLY mirroring); "
+            f"{user} needs a workspace on a GPU"
         )
     return int(dl[1])
 
