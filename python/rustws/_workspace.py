@@ -19,19 +19,23 @@ import threading
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, TextIO, TypeAlias, TypeVar, overload
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from . import _rustws
 from ._config import WorkspaceConfiguration, WorkspaceStats
 from ._errors import LeakedArrayError, NoSuchWorkspaceError, WorkspaceClosedError, WorkspaceOutOfMemory
 
+if TYPE_CHECKING:
+    from .cuda import DeviceWorkspace
+
 try:  # NumPy 2
     from numpy._core.multiarray import get_handler_name as _get_handler_name
 except ImportError:  # pragma: no cover - NumPy 1.x
-    from numpy.core.multiarray import get_handler_name as _get_handler_name
+    from numpy.core.multiarray import get_handler_name as _get_handler_name  # type: ignore[no-redef]
 
 __all__ = [
     "Workspace",
@@ -49,6 +53,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger("rustws")
+
+ShapeLike: TypeAlias = "SupportsIndex | Sequence[SupportsIndex]"
+Order: TypeAlias = 'Literal["C", "F"]'
+OrderKACF: TypeAlias = 'Literal["K", "A", "C", "F"]'
+_ScalarT = TypeVar("_ScalarT", bound=np.generic)
+_ArrayT = TypeVar("_ArrayT", bound="np.ndarray[Any, Any]")
+_T = TypeVar("_T")
 
 _local = threading.local()
 _BY_ID: weakref.WeakValueDictionary[int, Workspace] = weakref.WeakValueDictionary()
@@ -156,13 +167,37 @@ class Workspace(_rustws.WorkspaceCore):
                 raise LeakedArrayError(message)
             warnings.warn(message, ResourceWarning, stacklevel=3)
 
+    if TYPE_CHECKING:
+        # The bindings' methods, as a host workspace returns them (ndarrays; a DeviceWorkspace
+        # returns DeviceArrays and says so).
+        def __enter__(self) -> Workspace: ...
+
+        @overload
+        def empty(self, shape: ShapeLike, dtype: None = None, order: str = "C") -> NDArray[np.float64]: ...
+        @overload
+        def empty(
+            self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: str = "C"
+        ) -> NDArray[_ScalarT]: ...
+        @overload
+        def empty(self, shape: ShapeLike, dtype: DTypeLike | None, order: str = "C") -> NDArray[Any]: ...
+        def empty(self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C") -> Any: ...
+        @overload
+        def zeros(self, shape: ShapeLike, dtype: None = None, order: str = "C") -> NDArray[np.float64]: ...
+        @overload
+        def zeros(
+            self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: str = "C"
+        ) -> NDArray[_ScalarT]: ...
+        @overload
+        def zeros(self, shape: ShapeLike, dtype: DTypeLike | None, order: str = "C") -> NDArray[Any]: ...
+        def zeros(self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C") -> Any: ...
+
     def borrow(self) -> contextlib.AbstractContextManager[Workspace]:
         """Makes this workspace current (and capturing) without opening a new cycle. Entering and
         leaving are single steps in the bindings: no exception can leave the scope half open."""
         if self.is_destroyed:
             raise WorkspaceClosedError(f"workspace {self.name!r} was destroyed")
         install = self.capture and self.debug_mode_name != "BYPASS_EVERYTHING"
-        return _rustws.Scope(self, install, self.handler)  # type: ignore[return-value]
+        return _rustws.Scope(self, install, self.handler)
 
     # -- allocation ---------------------------------------------------------------------------
     # ``empty`` and ``zeros`` are the bindings' (no Python runs per call). The rest follow NumPy's
@@ -187,7 +222,9 @@ class Workspace(_rustws.WorkspaceCore):
         finally:
             _rustws.set_handler(previous)
 
-    def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> np.ndarray:
+    def full(
+        self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: str = "C"
+    ) -> NDArray[Any]:
         """A new array over workspace memory filled with ``fill_value``."""
         fill = np.asarray(fill_value)
         if dtype is None:
@@ -200,7 +237,13 @@ class Workspace(_rustws.WorkspaceCore):
             np.copyto(a, fill, casting="unsafe")
         return a
 
-    def ones(self, shape: Any, dtype: Any = float, order: str = "C") -> np.ndarray:
+    @overload
+    def ones(
+        self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: str = "C"
+    ) -> NDArray[_ScalarT]: ...
+    @overload
+    def ones(self, shape: ShapeLike, dtype: DTypeLike | None = float, order: str = "C") -> NDArray[Any]: ...
+    def ones(self, shape: ShapeLike, dtype: DTypeLike | None = float, order: str = "C") -> Any:
         """As ``np.ones``, over workspace memory."""
         return type(self).full(self, shape, 1, np.dtype(dtype), order)
 
@@ -229,24 +272,98 @@ class Workspace(_rustws.WorkspaceCore):
         np.copyto(out, fill, casting="unsafe")
         return out
 
+    @overload
+    def empty_like(
+        self,
+        a: _ArrayT,
+        dtype: None = None,
+        order: OrderKACF = "K",
+        subok: Literal[True] = True,
+        shape: None = None,
+    ) -> _ArrayT: ...
+    @overload
+    def empty_like(
+        self,
+        a: ArrayLike,
+        dtype: DTypeLike | None = None,
+        order: OrderKACF = "K",
+        subok: bool = True,
+        shape: ShapeLike | None = None,
+    ) -> NDArray[Any]: ...
     def empty_like(
         self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
     ) -> Any:
         """As ``np.empty_like``, over workspace memory (subclasses kept with ``subok``)."""
         return self._like(a, dtype, order, subok, shape, None)
 
+    @overload
+    def zeros_like(
+        self,
+        a: _ArrayT,
+        dtype: None = None,
+        order: OrderKACF = "K",
+        subok: Literal[True] = True,
+        shape: None = None,
+    ) -> _ArrayT: ...
+    @overload
+    def zeros_like(
+        self,
+        a: ArrayLike,
+        dtype: DTypeLike | None = None,
+        order: OrderKACF = "K",
+        subok: bool = True,
+        shape: ShapeLike | None = None,
+    ) -> NDArray[Any]: ...
     def zeros_like(
         self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
     ) -> Any:
         """As ``np.zeros_like``, over workspace memory."""
         return self._like(a, dtype, order, subok, shape, 0)
 
+    @overload
+    def ones_like(
+        self,
+        a: _ArrayT,
+        dtype: None = None,
+        order: OrderKACF = "K",
+        subok: Literal[True] = True,
+        shape: None = None,
+    ) -> _ArrayT: ...
+    @overload
+    def ones_like(
+        self,
+        a: ArrayLike,
+        dtype: DTypeLike | None = None,
+        order: OrderKACF = "K",
+        subok: bool = True,
+        shape: ShapeLike | None = None,
+    ) -> NDArray[Any]: ...
     def ones_like(
         self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
     ) -> Any:
         """As ``np.ones_like``, over workspace memory."""
         return self._like(a, dtype, order, subok, shape, 1)
 
+    @overload
+    def full_like(
+        self,
+        a: _ArrayT,
+        fill_value: ArrayLike,
+        dtype: None = None,
+        order: OrderKACF = "K",
+        subok: Literal[True] = True,
+        shape: None = None,
+    ) -> _ArrayT: ...
+    @overload
+    def full_like(
+        self,
+        a: ArrayLike,
+        fill_value: ArrayLike,
+        dtype: DTypeLike | None = None,
+        order: OrderKACF = "K",
+        subok: bool = True,
+        shape: ShapeLike | None = None,
+    ) -> NDArray[Any]: ...
     def full_like(
         self,
         a: Any,
@@ -259,14 +376,20 @@ class Workspace(_rustws.WorkspaceCore):
         """As ``np.full_like``, over workspace memory."""
         return self._like(a, dtype, order, subok, shape, fill_value)
 
-    def asarray(self, a: Any, dtype: Any = None, order: str | None = None) -> Any:
+    def asarray(
+        self, a: ArrayLike, dtype: DTypeLike | None = None, order: OrderKACF | None = None
+    ) -> NDArray[Any]:
         """As ``np.asarray``, with the result in this workspace: ``a`` itself (as an ndarray) when
         it already lives here with that dtype and order, else a copy made here."""
         src = a if isinstance(a, np.ndarray) else _as_ndarray(a)
         _refuse_objects(src.dtype if dtype is None else np.dtype(dtype))
         if owner(src) is self:
-            return self._numpy_here(np.asarray, src, dtype=dtype, order=order)
-        return self._numpy_here(np.array, src, dtype=dtype, order="K" if order is None else order, copy=True)
+            same: NDArray[Any] = self._numpy_here(np.asarray, src, dtype=dtype, order=order)
+            return same
+        copy: NDArray[Any] = self._numpy_here(
+            np.array, src, dtype=dtype, order="K" if order is None else order, copy=True
+        )
+        return copy
 
     def _copy_of(self, a: np.ndarray) -> Any:
         """A copy of ``a`` in this workspace, of its subclass (as ``np.copy(a, subok=True)``)."""
@@ -295,7 +418,7 @@ def _refuse_objects(dtype: np.dtype[Any]) -> None:
         raise TypeError(f"dtype {dtype} holds Python objects; workspace memory never holds Python references")
 
 
-def _as_ndarray(a: Any) -> np.ndarray:
+def _as_ndarray(a: Any) -> NDArray[Any]:
     """``a`` as an ndarray without asking it for a copy: ``np.asarray`` calls ``__array__``
     without the ``copy`` keyword, which frameworks written before NumPy 2 (PyTorch's tensors
     among them) answer with a ``DeprecationWarning`` when NumPy passes it."""
@@ -305,8 +428,8 @@ def _as_ndarray(a: Any) -> np.ndarray:
 def _report_refusals(messages: list[str]) -> None:
     """Tells why captured requests were refused. NumPy turns a refusal into its plain
     ``MemoryError`` ("Unable to allocate ..."); when that error is what leaves the cycle, the
-    workspace's reasons are added to it as notes (PEP 678), so the traceback says why. Refusals
-    whose error was caught inside the cycle are logged (WARNING) instead."""
+    workspace's reasons are added to it as notes (PEP 678), so the traceback says why. Every
+    refusal is also logged (WARNING), including those whose error was caught inside the cycle."""
     if not messages:
         return
     exc = sys.exc_info()[1]
@@ -316,7 +439,6 @@ def _report_refusals(messages: list[str]) -> None:
             note = f"rustws: {message}"
             if note not in notes:
                 exc.add_note(note)
-        return
     for message in messages:
         logger.warning("%s", message)
 
@@ -352,9 +474,38 @@ def _check_device(device: Any) -> tuple[str, int | None]:
     raise ValueError(f"invalid device {device!r}: expected 'cpu' or 'cuda:N'")
 
 
+CudaDevice: TypeAlias = (
+    'Literal["cuda", "cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:4", "cuda:5", "cuda:6", "cuda:7"]'
+)
+
+
+@overload
 def workspace(
     name: str = "DEFAULT",
-    config: WorkspaceConfiguration | None = None,
+    config: WorkspaceConfiguration | dict[str, Any] | None = None,
+    *,
+    device: Literal["cpu"] = "cpu",
+    capture: bool = True,
+) -> Workspace: ...
+@overload
+def workspace(
+    name: str = "DEFAULT",
+    config: WorkspaceConfiguration | dict[str, Any] | None = None,
+    *,
+    device: CudaDevice,
+    capture: bool = True,
+) -> DeviceWorkspace: ...
+@overload
+def workspace(
+    name: str = "DEFAULT",
+    config: WorkspaceConfiguration | dict[str, Any] | None = None,
+    *,
+    device: str,
+    capture: bool = True,
+) -> Workspace: ...
+def workspace(
+    name: str = "DEFAULT",
+    config: WorkspaceConfiguration | dict[str, Any] | None = None,
     *,
     device: str = "cpu",
     capture: bool = True,
@@ -392,7 +543,7 @@ def workspace(
     else:
         if _device_factory is None:  # pragma: no cover - the package imports rustws.cuda
             raise RuntimeError("device workspaces need rustws.cuda, which is not imported")
-        ws = _device_factory(name, cfg, dev, ordinal, capture)
+        ws = _device_factory(name, cfg, dev, ordinal, capture)  # a DeviceWorkspace
     ws._registry = weakref.ref(reg)
     reg[name] = ws
     _BY_ID[ws.id] = ws
@@ -414,7 +565,8 @@ def get_workspace(name: str) -> Workspace | None:
 
 def current_workspace() -> Workspace | None:
     """The innermost workspace of this thread or task (None inside ``scope_out_of_workspaces``)."""
-    return _rustws.current_workspace()  # type: ignore[return-value]
+    ws: Workspace | None = _rustws.current_workspace()
+    return ws
 
 
 def workspaces() -> list[Workspace]:
@@ -424,7 +576,7 @@ def workspaces() -> list[Workspace]:
 
 def scope_out_of_workspaces() -> contextlib.AbstractContextManager[None]:
     """Inside, no workspace is current and NumPy allocates with its default allocator."""
-    return _rustws.Scope(None, True, None)  # type: ignore[return-value]
+    return _rustws.Scope(None, True, None)
 
 
 def destroy_all_workspaces_for_current_thread() -> None:
@@ -432,7 +584,11 @@ def destroy_all_workspaces_for_current_thread() -> None:
         ws.destroy()
 
 
-def detach(a: Any) -> np.ndarray:
+@overload
+def detach(a: _ArrayT) -> _ArrayT: ...
+@overload
+def detach(a: ArrayLike | _rustws.DeviceArray) -> NDArray[Any]: ...
+def detach(a: Any) -> Any:
     """An independent copy of ``a`` in ordinary memory (also inside a capturing cycle), of its
     ndarray subclass."""
     previous = _rustws.set_handler(None)
@@ -443,6 +599,10 @@ def detach(a: Any) -> np.ndarray:
         _rustws.set_handler(previous)
 
 
+@overload
+def leverage_to(name: str, a: _ArrayT, *, enforce_existence: bool = False) -> _ArrayT: ...
+@overload
+def leverage_to(name: str, a: _T, *, enforce_existence: bool = False) -> _T | NDArray[Any]: ...
 def leverage_to(name: str, a: Any, *, enforce_existence: bool = False) -> Any:
     """A copy of ``a`` in the open workspace ``name`` (of its ndarray subclass); ``a`` itself when
     there is none (or ``NoSuchWorkspaceError`` when ``enforce_existence``)."""

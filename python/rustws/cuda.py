@@ -29,14 +29,15 @@ and the framework integrations.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _rustws
 from ._config import LearningPolicy, MirroringPolicy, WorkspaceConfiguration
 from ._errors import DeviceUnavailableError, WorkspaceClosedError
-from ._workspace import _BY_ID, Workspace, _set_device_factory
+from ._workspace import _BY_ID, ShapeLike, Workspace, _set_device_factory
 
 __all__ = ["DeviceArray", "DeviceWorkspace", "asarray", "device_count", "is_available", "unavailable_reason"]
 
@@ -75,6 +76,15 @@ class DeviceWorkspace(Workspace):
     fallback_reason: str | None
     _mirror_ws: Workspace | None
 
+    if TYPE_CHECKING:
+        # The bindings' empty and zeros, as a device workspace returns them.
+        def empty(  # type: ignore[override]
+            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C"
+        ) -> DeviceArray: ...
+        def zeros(  # type: ignore[override]
+            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C"
+        ) -> DeviceArray: ...
+
     def _setup_device(
         self,
         requested: str,
@@ -99,9 +109,10 @@ class DeviceWorkspace(Workspace):
             raise
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         try:
-            return bool(Workspace.__exit__(self, *exc))
+            Workspace.__exit__(self, *exc)
+            return False
         finally:
             mirror = self._mirror_ws
             if mirror is not None and mirror.is_open:
@@ -116,7 +127,9 @@ class DeviceWorkspace(Workspace):
     close = destroy
 
     # -- allocation -------------------------------------------------------------------------------
-    def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> Any:
+    def full(  # type: ignore[override]
+        self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: str = "C"
+    ) -> DeviceArray:
         if self._on_device:
             if dtype is None:
                 dtype = np.array(fill_value).dtype
@@ -124,7 +137,9 @@ class DeviceWorkspace(Workspace):
             return out.copy_from(np.full(out.shape, fill_value, out.dtype))
         return _rustws.wrap_host(Workspace.full(self, shape, fill_value, dtype, order), self, self.device)
 
-    def _like(self, a: Any, dtype: Any, order: str, shape: Any) -> tuple[tuple[int, ...], np.dtype[Any], str]:
+    def _device_like(
+        self, a: Any, dtype: Any, order: str, shape: Any
+    ) -> tuple[tuple[int, ...], np.dtype[Any], str]:
         """Shape, dtype and order of NumPy's ``*_like`` (DeviceArrays have no subclasses, and
         are C or F contiguous)."""
         if isinstance(a, DeviceArray):
@@ -142,35 +157,35 @@ class DeviceWorkspace(Workspace):
             o = "F" if fortran else "C"
         return shp, dt if dtype is None else np.dtype(dtype), o
 
-    def empty_like(
-        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
-    ) -> Any:
-        return self.empty(*self._like(a, dtype, order, shape))
+    def empty_like(  # type: ignore[override]
+        self, a: Any, dtype: DTypeLike | None = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> DeviceArray:
+        return self.empty(*self._device_like(a, dtype, order, shape))
 
-    def zeros_like(
-        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
-    ) -> Any:
-        return self.zeros(*self._like(a, dtype, order, shape))
+    def zeros_like(  # type: ignore[override]
+        self, a: Any, dtype: DTypeLike | None = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> DeviceArray:
+        return self.zeros(*self._device_like(a, dtype, order, shape))
 
-    def ones_like(
-        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
-    ) -> Any:
-        shp, dt, o = self._like(a, dtype, order, shape)
+    def ones_like(  # type: ignore[override]
+        self, a: Any, dtype: DTypeLike | None = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> DeviceArray:
+        shp, dt, o = self._device_like(a, dtype, order, shape)
         return self.full(shp, 1, dt, o)
 
-    def full_like(
+    def full_like(  # type: ignore[override]
         self,
         a: Any,
-        fill_value: Any,
-        dtype: Any = None,
+        fill_value: ArrayLike,
+        dtype: DTypeLike | None = None,
         order: str = "K",
         subok: bool = True,
         shape: Any = None,
-    ) -> Any:
-        shp, dt, o = self._like(a, dtype, order, shape)
+    ) -> DeviceArray:
+        shp, dt, o = self._device_like(a, dtype, order, shape)
         return self.full(shp, fill_value, dt, o)
 
-    def asarray(self, a: Any, dtype: Any = None, order: str | None = None) -> Any:
+    def asarray(self, a: Any, dtype: Any = None, order: Any = None) -> DeviceArray:  # type: ignore[override]
         """``a`` as a ``DeviceArray`` of this workspace: itself when it is one already (with that
         dtype), else a copy."""
         if isinstance(a, DeviceArray) and a.workspace is self and dtype in (None, a.dtype):
@@ -180,7 +195,7 @@ class DeviceWorkspace(Workspace):
             src = np.asarray(src, dtype=dtype, order=order)
         return asarray(src, self)
 
-    def _copy_of(self, a: np.ndarray) -> Any:
+    def _copy_of(self, a: np.ndarray) -> DeviceArray:
         return asarray(a, self)
 
 
