@@ -28,6 +28,7 @@ from ._dispose import DisposeScope, DisposeStatistics, dispose_scope, dispose_st
 from ._errors import (
     DeviceUnavailableError,
     DisposedArrayError,
+    EscapedArrayWarning,
     LeakedArrayError,
     NoSuchWorkspaceError,
     ScopeError,
@@ -67,6 +68,7 @@ __all__ = [
     "DisposeScope",
     "DisposeStatistics",
     "DisposedArrayError",
+    "EscapedArrayWarning",
     "LayerWorkspaceMgr",
     "LayerWorkspaceMgrBuilder",
     "LeakedArrayError",

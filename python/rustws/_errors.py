@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "DeviceUnavailableError",
     "DisposedArrayError",
+    "EscapedArrayWarning",
     "LeakedArrayError",
     "NoSuchWorkspaceError",
     "ScopeError",
@@ -57,3 +58,10 @@ class DeviceUnavailableError(WorkspaceError, RuntimeError):
 
 class DisposedArrayError(WorkspaceError, RuntimeError):
     """The array was disposed."""
+
+
+class EscapedArrayWarning(ResourceWarning):
+    """Arrays outlived their cycle (``use_cycle_detector=True``): their memory stays pinned until
+    they die. A ``ResourceWarning``, but shown under Python's default warning filters (importing
+    rustws puts a ``default`` filter for this category just before the standard one that ignores
+    ``ResourceWarning``, so ``-W`` options and filters set by the program still decide)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import sys
 import threading
 import traceback
@@ -27,7 +28,13 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from . import _rustws
 from ._config import WorkspaceConfiguration, WorkspaceStats
-from ._errors import LeakedArrayError, NoSuchWorkspaceError, WorkspaceClosedError, WorkspaceOutOfMemory
+from ._errors import (
+    EscapedArrayWarning,
+    LeakedArrayError,
+    NoSuchWorkspaceError,
+    WorkspaceClosedError,
+    WorkspaceOutOfMemory,
+)
 
 if TYPE_CHECKING:
     from .cuda import DeviceWorkspace
@@ -53,6 +60,50 @@ __all__ = [
 ]
 
 logger = logging.getLogger("rustws")
+# A library's logger: silent unless the program configures logging (then WARNING records of refused
+# requests, INFO when a workspace settles, DEBUG records of what its arena does).
+logger.addHandler(logging.NullHandler())
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _show_escapes_by_default() -> None:
+    """Puts a ``default`` filter for ``EscapedArrayWarning`` just before the standard filter that
+    ignores every ``ResourceWarning``, where there is one: filters from ``-W``, the environment and
+    the program stay in front of it and keep deciding."""
+    filters = warnings.filters
+    if any(f[2] is EscapedArrayWarning for f in filters):
+        return
+    # ``-W`` options and PYTHONWARNINGS go in front of the standard filters, and an option equal to
+    # a standard filter replaces it: one naming ResourceWarning is the user's own choice.
+    if any("ResourceWarning" in option for option in sys.warnoptions):
+        return
+    for i in range(len(filters) - 1, -1, -1):
+        if tuple(filters[i]) == ("ignore", None, ResourceWarning, None, 0):
+            filters.insert(i, ("default", None, EscapedArrayWarning, None, 0))
+            mutated = getattr(warnings, "_filters_mutated", None) or getattr(
+                warnings, "_filters_mutated_lock_held", None
+            )
+            if mutated is not None:
+                mutated()
+            return
+
+
+_show_escapes_by_default()
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning issued by the caller of this function that points at the
+    first frame outside rustws and ``contextlib`` (the user's ``with`` or call)."""
+    frame = sys._getframe(2)
+    level = 2
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR) or frame.f_code.co_filename == contextlib.__file__
+    ):
+        frame = frame.f_back
+        level += 1
+    return level
+
 
 ShapeLike: TypeAlias = "SupportsIndex | Sequence[SupportsIndex]"
 Order: TypeAlias = 'Literal["C", "F"]'
@@ -165,7 +216,7 @@ class Workspace(_rustws.WorkspaceCore):
                 message += "; explicit allocations among them: " + "; ".join(sites)
             if os.environ.get("RUSTWS_STRICT") == "1":
                 raise LeakedArrayError(message)
-            warnings.warn(message, ResourceWarning, stacklevel=3)
+            warnings.warn(message, EscapedArrayWarning, stacklevel=_user_stacklevel())
 
     if TYPE_CHECKING:
         # The bindings' methods, as a host workspace returns them (ndarrays; a DeviceWorkspace
@@ -526,7 +577,7 @@ def workspace(
     if ws is not None and not ws.is_destroyed:
         if (cfg is None or cfg == ws.config) and dev == getattr(ws, "requested_device", ws.device):
             ws.capture = capture
-            return ws
+            return _observed(ws)
         if ws.is_open:
             raise ValueError(
                 f"workspace {name!r} is open with a different configuration or device; "
@@ -547,7 +598,130 @@ def workspace(
     ws._registry = weakref.ref(reg)
     reg[name] = ws
     _BY_ID[ws.id] = ws
+    return _observed(ws)
+
+
+# -- diagnostics -----------------------------------------------------------------------------------
+# The rustws logger says, at INFO, when a workspace first settles, and at DEBUG what its arena did
+# in each cycle. Those records are derived from what the statistics show at cycle ends (and from the
+# thread's page faults while a cycle opens), so only workspaces whose records someone reads pay for
+# them: ``rustws.workspace()`` gives a workspace the observing class below when the logger is
+# enabled for INFO, and an observed workspace drops it again at a cycle end once the logger is not.
+# An unobserved cycle runs exactly the bindings' ``__enter__`` / ``__exit__``.
+
+
+def _thread_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+class _CycleObserver:
+    """Mixed in front of a workspace class: logs what each outermost cycle did."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Any:
+        ws: Any = self
+        if ws.is_open:
+            return super().__enter__()  # type: ignore[misc]
+        before = _thread_faults()
+        entered = super().__enter__()  # type: ignore[misc]
+        faults = _thread_faults() - before
+        if faults and logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "workspace %r: %d page faults while opening cycle %d (the arena's learned part is "
+                "pre-faulted)",
+                ws.name,
+                faults,
+                ws.generation,
+            )
+        return entered
+
+    def __exit__(self, *exc: Any) -> Any:
+        ws: Any = self
+        try:
+            return super().__exit__(*exc)  # type: ignore[misc]
+        finally:
+            if not ws.is_open and not ws.is_destroyed:
+                _after_observed_cycle(ws)
+
+
+_OBSERVED: dict[type, type] = {}
+
+
+def _observed(ws: Workspace) -> Workspace:
+    cls = type(ws)
+    if isinstance(ws, _CycleObserver) or not logger.isEnabledFor(logging.INFO):
+        return ws
+    observed = _OBSERVED.get(cls)
+    if observed is None:
+        observed = _OBSERVED[cls] = type(
+            cls.__name__, (_CycleObserver, cls), {"__slots__": (), "__module__": cls.__module__}
+        )
+        observed.__qualname__ = cls.__qualname__
+    ws.__class__ = observed
+    ws.__dict__.setdefault("_observed_last", ws.stats())
+    ws.__dict__.setdefault("_observed_settled", False)
     return ws
+
+
+def _after_observed_cycle(ws: Any) -> None:
+    if not logger.isEnabledFor(logging.INFO):
+        ws.__class__ = type(ws).__mro__[2]  # the class it had: back to the bindings' cycles
+        return
+    last: WorkspaceStats = ws._observed_last
+    now: WorkspaceStats = ws.stats()
+    ws._observed_last = now
+    cycle = now.cycles - 1
+    spills = now.spill_count - last.spill_count
+    changed = now.capacity_bytes != last.capacity_bytes
+    if logger.isEnabledFor(logging.DEBUG):
+        name = ws.name
+        if changed:
+            a, b = last.capacity_bytes, now.capacity_bytes
+            if a == 0:
+                what = f"mapped an arena of {_fmt_bytes(b)}"
+            elif b == 0:
+                what = f"released its arena of {_fmt_bytes(a)}"
+            else:
+                verb = "grew" if b > a else "shrank"
+                what = f"arena {verb} (remapped) {_fmt_bytes(a)} -> {_fmt_bytes(b)}"
+            logger.debug("workspace %r: cycle %d %s", name, cycle, what)
+        if spills:
+            logger.debug(
+                "workspace %r: cycle %d spilled %d request(s) outside the arena (peak %s, arena %s)",
+                name,
+                cycle,
+                spills,
+                _fmt_bytes(now.peak_cycle_bytes),
+                _fmt_bytes(last.capacity_bytes),
+            )
+        elif now.peak_cycle_bytes > max(now.capacity_bytes, last.capacity_bytes) > 0:
+            logger.debug(
+                "workspace %r: cycle %d served %s beyond its arena without spilling (huge "
+                "requests get mappings of their own)",
+                name,
+                cycle,
+                _fmt_bytes(now.peak_cycle_bytes - max(now.capacity_bytes, last.capacity_bytes)),
+            )
+        if now.pinned_bytes:
+            logger.debug(
+                "workspace %r: after cycle %d, %s stay pinned under arrays that outlived it",
+                name,
+                cycle,
+                _fmt_bytes(now.pinned_bytes),
+            )
+    calm = not spills and not changed and now.allocation_count > last.allocation_count
+    if calm and not ws._observed_settled and now.capacity_bytes > 0:
+        ws._observed_settled = True
+        logger.info(
+            "workspace %r settled after %d cycles: arena %s, peak %s per cycle, no spill or "
+            "resize in cycle %d",
+            ws.name,
+            now.cycles,
+            _fmt_bytes(now.capacity_bytes),
+            _fmt_bytes(now.peak_cycle_bytes),
+            cycle,
+        )
 
 
 def get_and_activate_workspace(
@@ -616,15 +790,35 @@ def leverage_to(name: str, a: Any, *, enforce_existence: bool = False) -> Any:
 
 
 def owner(a: Any) -> Workspace | None:
-    """The workspace whose memory holds ``a`` (following ``.base``), else None."""
-    if isinstance(a, _rustws.DeviceArray):
-        if a.is_disposed:
+    """The workspace whose memory holds ``a``, else None. ``a`` is an ndarray (its ``.base`` chain
+    is followed, through ``memoryview``s and other buffer exporters on it), a ``memoryview`` (its
+    exporter is followed), or a ``DeviceArray``."""
+    for _ in range(64):  # exporter chains are short; a cycle of references must not loop forever
+        if isinstance(a, _rustws.DeviceArray):
+            if a.is_disposed:
+                return None
+            if a._host is None:
+                ws: Workspace | None = a.workspace
+                return ws
+            a = a._host
+            continue
+        if isinstance(a, memoryview):
+            a = a.obj
+            continue
+        if not isinstance(a, np.ndarray):
             return None
-        return owner(a._host) if a._host is not None else a.workspace
-    base = a
-    while isinstance(base, np.ndarray) and not base.flags.owndata and base.base is not None:
-        base = base.base
-    if not isinstance(base, np.ndarray) or not base.flags.owndata:
+        base = a
+        while isinstance(base, np.ndarray) and not base.flags.owndata and base.base is not None:
+            base = base.base
+        if not isinstance(base, np.ndarray):
+            a = base  # a view of another exporter's memory (np.frombuffer, np.asarray(memoryview))
+            continue
+        return _owner_of_data(base)
+    return None
+
+
+def _owner_of_data(base: np.ndarray) -> Workspace | None:
+    if not base.flags.owndata:
         return None
     name = _get_handler_name(base)
     if not name or not name.startswith("rustws:"):
