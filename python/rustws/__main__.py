@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--repeats", type=int, default=None, help="runs per variant (median reported)")
     bench.add_argument("--out", default="bench-results", help="folder for the JSON results and the chart")
+    bench.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     sub.add_parser(
         "info",
         help="version, build, NumPy's memory handler, library versions, RUSTWS_* variables",
@@ -110,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(quick=args.quick, steps=args.steps, out=args.out)
     from ._bench import run_bench
 
-    return run_bench(quick=args.quick, workloads=args.workloads, repeats=args.repeats, out=args.out)
+    return run_bench(
+        quick=args.quick, workloads=args.workloads, repeats=args.repeats, out=args.out, quiet=args.quiet
+    )
 
 
 if __name__ == "__main__":
