@@ -1,9 +1,11 @@
 """The command line: progress as tqdm behaves (a bar only on a terminal, plain lines in pipes, nothing
-with --quiet), and ratios worded so they cannot be misread."""
+with --quiet), ratios worded so they cannot be misread, and the demo's quick run."""
 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import pytest
 
@@ -50,3 +52,32 @@ def test_quiet_prints_nothing():
 )
 def test_ratios_say_which_way_they_go(a, b, words):
     assert ratio_text("rustws", a, "best peer (tcmalloc)", b) == words
+
+
+@pytest.mark.timeout(180)
+def test_the_quick_demo_compares_both_runs(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rustws",
+            "demo",
+            "--quick",
+            "--quiet",
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "losses identical in all 6 steps: True" in out
+    assert "rustws / NumPy time per step = " in out and "rustws / NumPy peak RSS = " in out
+    assert "what it costs:" in out
+    for name in ("ACTIVATIONS", "ACTIVATION_GRAD", "LAYER_WORKING_MEM"):
+        assert name in out
+    assert 'initial_size="' in out
+    assert proc.stderr == ""  # --quiet: no progress

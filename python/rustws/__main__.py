@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--quick", action="store_true", help="a short run (for CI)")
     demo.add_argument("--steps", type=int, default=None, help="training steps (batches) per epoch")
     demo.add_argument("--out", default="demo-results", help="folder for the memory timeline PNG")
+    demo.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     bench = sub.add_parser(
         "bench", help="side-by-side allocator benchmarks (each variant in a fresh process)"
     )
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from ._demo import run_demo
 
-        return run_demo(quick=args.quick, steps=args.steps, out=args.out)
+        return run_demo(quick=args.quick, steps=args.steps, out=args.out, quiet=args.quiet)
     from ._bench import run_bench
 
     return run_bench(

@@ -74,8 +74,3 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def progress(label: str, done: int, total: int, stream: TextIO | None = None) -> None:
-    """One update of a line of progress on ``stream`` (the demo's, until it keeps a ``Progress``)."""
-    Progress(total, label, stream=stream, lines=1).update(done)
