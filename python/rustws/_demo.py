@@ -30,6 +30,7 @@ from ._bench import peak_rss_kib as _peak_rss_kib
 from ._progress import Progress
 
 HIDDEN = 512
+ROUNDS = 3  # fresh processes per variant, alternating (the quick run makes one)
 TYPES = ("ACTIVATIONS", "ACTIVATION_GRAD", "FF_WORKING_MEM", "BP_WORKING_MEM", "UPDATER_WORKING_MEM")
 
 
@@ -299,6 +300,20 @@ def _story_png(base: dict[str, Any], ws: dict[str, Any], path: str) -> str:
     return f"the story in one picture: {path}"
 
 
+def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's rounds as one: per step, the median time and faults over the rounds; the
+    median peak; the last round's timelines. Every round must have computed the same losses."""
+    out = dict(runs[-1])
+    for r in runs:
+        if r["losses"] != out["losses"]:
+            out["losses"] = []  # reported as diverged
+    out["step_s"] = [float(np.median(v)) for v in zip(*(r["step_s"] for r in runs), strict=True)]
+    out["step_faults"] = [float(np.median(v)) for v in zip(*(r["step_faults"] for r in runs), strict=True)]
+    out["peak_rss_kib"] = float(np.median([r["peak_rss_kib"] for r in runs]))
+    out["rounds"] = len(runs)
+    return out
+
+
 def _ratio(name: str, a: float, other: str, b: float, smaller: str, larger: str) -> str:
     r = a / b
     verdict = "the same" if round(r, 2) == 1.0 else f"{name} {smaller if r < 1 else larger}"
@@ -315,11 +330,17 @@ def run_demo(
     if batches < 2:
         print("demo: --steps (batches per epoch) must be at least 2", file=sys.stderr)
         return 2
-    results = {v: _run_variant(v, epochs, batches, quiet) for v in ("numpy", "rustws")}
+    rounds = 1 if quick else ROUNDS
+    runs: dict[str, list[dict[str, Any]]] = {"numpy": [], "rustws": []}
+    for _ in range(rounds):  # alternating, so that both see the same machine load
+        for v, done in runs.items():
+            done.append(_run_variant(v, epochs, batches, quiet))
+    results = {v: _merge(r) for v, r in runs.items()}
     base, ws = results["numpy"], results["rustws"]
     print(
         f"MLP in-{HIDDEN}-{HIDDEN}-10, batch {base['batch']}, on {base['source']}: "
-        f"{epochs} epochs of {batches} steps, each run in a fresh process"
+        f"{epochs} epochs of {batches} steps; {rounds} fresh process(es) per variant, alternating, "
+        "medians per step"
     )
     same = base["losses"] == ws["losses"]
     warm = slice(min(3, len(base["step_s"]) - 1), None)  # after the learning steps
