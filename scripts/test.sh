@@ -16,6 +16,8 @@ step() { printf '\n==> %s\n' "$*"; }
 step "python tools"
 $VPY -m pip install -q --disable-pip-version-check "maturin>=1.7,<2" "numpy>=1.22" "pytest>=8" \
     "pytest-timeout>=2" "hypothesis>=6.100" "ruff>=0.5" "mypy>=1.10"
+step "optional extras the tests cover (dask: rustws.dask on a LocalCluster)"
+$VPY -m pip install -q --disable-pip-version-check "dask>=2023.1" "distributed>=2023.1"
 
 step "build the extension (release)"
 .venv/bin/maturin develop --release --quiet

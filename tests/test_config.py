@@ -215,3 +215,19 @@ def test_core_parse_size_matches():
     assert rustws._rustws.parse_size("3MiB") == 3 << 20
     with pytest.raises(ValueError):
         rustws._rustws.parse_size("")
+
+
+def test_the_builder_has_a_typed_method_per_field():
+    import dataclasses
+    import typing
+
+    fields = {f.name for f in dataclasses.fields(WorkspaceConfiguration)}
+    builder = WorkspaceConfiguration.builder()
+    for name in fields:
+        method = getattr(type(builder), name)  # a real method, not a __getattr__ fallback
+        hints = typing.get_type_hints(method, vars(rustws._config))
+        assert hints["return"] is rustws.WorkspaceConfigurationBuilder
+    with pytest.raises(AttributeError):
+        builder.no_such_field  # noqa: B018
+    cfg = builder.initial_size("1MiB").policy_spill("REALLOCATE").temp_file_path(None).build()
+    assert cfg.initial_size == 1 << 20 and cfg.policy_spill is rustws.SpillPolicy.REALLOCATE

@@ -23,10 +23,12 @@ from ._config import (
     WorkspaceMode,
     WorkspaceStats,
 )
+from ._cycle import cycle, thread_statistics
 from ._dispose import DisposeScope, DisposeStatistics, dispose_scope, dispose_statistics
 from ._errors import (
     DeviceUnavailableError,
     DisposedArrayError,
+    EscapedArrayWarning,
     LeakedArrayError,
     NoSuchWorkspaceError,
     ScopeError,
@@ -66,6 +68,7 @@ __all__ = [
     "DisposeScope",
     "DisposeStatistics",
     "DisposedArrayError",
+    "EscapedArrayWarning",
     "LayerWorkspaceMgr",
     "LayerWorkspaceMgrBuilder",
     "LeakedArrayError",
@@ -88,6 +91,7 @@ __all__ = [
     "cuda",
     "cupy",
     "current_workspace",
+    "cycle",
     "destroy_all_workspaces_for_current_thread",
     "detach",
     "dispose_scope",
@@ -100,6 +104,7 @@ __all__ = [
     "print_allocation_statistics",
     "scope_out_of_workspaces",
     "set_auto_gc_window",
+    "thread_statistics",
     "toggle_periodic_gc",
     "torch",
     "workspace",

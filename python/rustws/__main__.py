@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -31,7 +32,51 @@ def _info() -> int:
         print(f"{key + ' policies:':22} {', '.join(info[key + '_policies'])}")
     mode = _rustws.env_debug_mode()
     print(f"RUSTWS_DEBUG_MODE: {mode or 'unset'}")
+    print("libraries: " + ", ".join(f"{name} {version}" for name, version in _library_versions()))
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("RUSTWS_"))
+    known = {
+        "RUSTWS_DEBUG_MODE": "every workspace's debug mode",
+        "RUSTWS_STRICT": "escapes raise LeakedArrayError when '1'",
+        "RUSTWS_TRACE": "escape reports name allocation sites when '1'",
+    }
+    print("RUSTWS_* variables in force:" + ("" if env else " none"))
+    for key, value in env:
+        print(f"  {key}={value}  ({known.get(key, 'not read by this version')})")
     return 0
+
+
+# What the integrations and users combine rustws with: (import name, distribution names).
+_LIBRARIES = (
+    ("numpy", ("numpy",)),
+    ("torch", ("torch",)),
+    ("cupy", ("cupy", "cupy-cuda12x", "cupy-cuda11x", "cupy-cuda13x")),
+    ("jax", ("jax",)),
+    ("dask", ("dask",)),
+    ("distributed", ("distributed",)),
+    ("tqdm", ("tqdm",)),
+    ("matplotlib", ("matplotlib",)),
+)
+
+
+def _library_versions() -> list[tuple[str, str]]:
+    """The installed version of each library rustws works with, without importing them (an
+    import of PyTorch or JAX takes seconds and starts threads); "not installed" otherwise."""
+    import importlib.metadata
+    import importlib.util
+
+    out = []
+    for module, dists in _LIBRARIES:
+        version = "not installed"
+        if importlib.util.find_spec(module) is not None:
+            version = "installed (version unknown)"
+            for dist in dists:
+                try:
+                    version = importlib.metadata.version(dist)
+                    break
+                except importlib.metadata.PackageNotFoundError:
+                    continue
+        out.append((module, version))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--quick", action="store_true", help="a short run (for CI)")
     demo.add_argument("--steps", type=int, default=None, help="training steps (batches) per epoch")
     demo.add_argument("--out", default="demo-results", help="folder for the memory timeline PNG")
+    demo.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     bench = sub.add_parser(
         "bench", help="side-by-side allocator benchmarks (each variant in a fresh process)"
     )
@@ -52,17 +98,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--repeats", type=int, default=None, help="runs per variant (median reported)")
     bench.add_argument("--out", default="bench-results", help="folder for the JSON results and the chart")
-    sub.add_parser("info", help="version, build features and the current NumPy memory handler")
+    bench.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    sub.add_parser(
+        "info",
+        help="version, build, NumPy's memory handler, library versions, RUSTWS_* variables",
+    )
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
     if args.command == "demo":
         from ._demo import run_demo
 
-        return run_demo(quick=args.quick, steps=args.steps, out=args.out)
+        return run_demo(quick=args.quick, steps=args.steps, out=args.out, quiet=args.quiet)
     from ._bench import run_bench
 
-    return run_bench(quick=args.quick, workloads=args.workloads, repeats=args.repeats, out=args.out)
+    return run_bench(
+        quick=args.quick, workloads=args.workloads, repeats=args.repeats, out=args.out, quiet=args.quiet
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ._progress import progress
+from ._progress import Progress
 
 PEERS = {
     "jemalloc": "libjemalloc.so.2",
@@ -290,6 +290,14 @@ def _run_one(workload: str, variant: str, steps: int, preload: str | None) -> di
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def ratio_text(name: str, time: float, other: str, other_time: float) -> str:
+    """A time ratio worded so that it cannot be misread: ``rustws / best peer (tcmalloc) = 1.20
+    (rustws slower)``; below 1 the first is faster, above 1 slower."""
+    r = time / other_time
+    verdict = "the same" if round(r, 2) == 1.0 else f"{name} {'faster' if r < 1 else 'slower'}"
+    return f"{name} / {other} = {r:.2f} ({verdict})"
+
+
 def _fmt_time(s: float) -> str:
     return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
 
@@ -299,6 +307,7 @@ def run_bench(
     workloads: str = ",".join(FAMILIES),
     repeats: int | None = None,
     out: str = "bench-results",
+    quiet: bool = False,
 ) -> int:
     wanted = [w.strip().upper() for w in workloads.split(",") if w.strip()]
     unknown = sorted(set(wanted) - set(FAMILIES))
@@ -331,11 +340,12 @@ def run_bench(
             " (Debian: libjemalloc2 libmimalloc2.0 libtcmalloc-minimal4)"
         )
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {n: {v: [] for v in variants_of(n)} for n in names}
-    for i, (n, v) in enumerate(plan):
-        progress(f"{n} {v}", i, len(plan))
-        steps = WORKLOADS[n][3 if quick else 2]
-        raw[n][v].append(_run_one(n, v, steps, peers.get(v)))
-    progress("done", len(plan), len(plan))
+    with Progress(len(plan), "bench", quiet=quiet) as bar:
+        for i, (n, v) in enumerate(plan):
+            bar.update(i, f"{n} {v}")
+            steps = WORKLOADS[n][3 if quick else 2]
+            raw[n][v].append(_run_one(n, v, steps, peers.get(v)))
+        bar.update(len(plan), "done")
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for n in names:
         summary[n] = {}
@@ -355,8 +365,8 @@ def run_bench(
         limit = s.get("limit")
         print(f"\n{n}: {WORKLOADS[n][0]}")
         print(
-            f"  {'variant':10}{'step':>12}{'vs limit':>10}{'vs numpy':>10}{'faults/step':>13}"
-            f"{'sys/step':>12}{'peak RSS':>12}{'vs numpy':>10}"
+            f"  {'variant':10}{'step':>12}{'t/limit':>10}{'t/numpy':>10}{'faults/step':>13}"
+            f"{'sys/step':>12}{'peak RSS':>12}{'RSS/numpy':>10}"
         )
         for v in variants_of(n):
             r = s[v]
@@ -374,8 +384,10 @@ def run_bench(
         best_peer = min((v for v in s if v in PEERS), key=lambda v: s[v]["step_s"], default=None)
         if best_peer:
             print(
-                f"  rustws vs best peer ({best_peer}): "
-                f"{s[best_peer]['step_s'] / s['rustws']['step_s']:.2f}x faster"
+                "  "
+                + ratio_text(
+                    "rustws", s["rustws"]["step_s"], f"best peer ({best_peer})", s[best_peer]["step_s"]
+                )
             )
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench.json"), "w") as f:

@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import math
 import os
-from typing import Any, ClassVar
+from typing import Any, SupportsIndex, TypeAlias
 
 from . import _rustws
 
@@ -28,6 +28,10 @@ __all__ = [
     "WorkspaceMode",
     "WorkspaceStats",
 ]
+
+Size: TypeAlias = "SupportsIndex | float | str"
+"""A size: int bytes (anything with ``__index__``, or a float holding a whole number) or a string with
+units (``"512KiB"``, ``"64MiB"``, ``"1GB"``)."""
 
 
 class _Policy(enum.Enum):
@@ -147,12 +151,14 @@ def _size(value: Any, field: str) -> int:
     return n
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
 class WorkspaceConfiguration:
     """Every knob of a workspace. Immutable, hashable, equal by value.
 
     Sizes are int bytes or strings with units (``"512KiB"``, ``"64MiB"``, ``"1GB"``); ``max_size=0``
-    means no limit. Invalid values or combinations raise ``ValueError`` naming the field.
+    means no limit. Policies are enum members or their names. Invalid values or combinations raise
+    ``ValueError`` naming the field. The attributes hold the normalised values (int bytes, enum
+    members, the path as a str).
     """
 
     initial_size: int = 0
@@ -172,6 +178,33 @@ class WorkspaceConfiguration:
     helper_allow_fallback: bool = True
     use_cycle_detector: bool = False
     debug_mode: DebugMode = DebugMode.DISABLED
+
+    def __init__(
+        self,
+        *,
+        initial_size: Size = 0,
+        min_size: Size = 0,
+        max_size: Size = 0,
+        overallocation_limit: float = 0.3,
+        cycles_before_initialization: int = 0,
+        policy_allocation: AllocationPolicy | str = AllocationPolicy.OVERALLOCATE,
+        policy_learning: LearningPolicy | str = LearningPolicy.FIRST_LOOP,
+        policy_spill: SpillPolicy | str = SpillPolicy.EXTERNAL,
+        policy_reset: ResetPolicy | str = ResetPolicy.BLOCK_LEFT,
+        policy_mirroring: MirroringPolicy | str = MirroringPolicy.FULL,
+        policy_location: LocationPolicy | str = LocationPolicy.RAM,
+        temp_file_path: str | os.PathLike[str] | None = None,
+        temp_block_size: Size = 0,
+        helper_min_size: Size = 0,
+        helper_allow_fallback: bool = True,
+        use_cycle_detector: bool = False,
+        debug_mode: DebugMode | str = DebugMode.DISABLED,
+    ) -> None:
+        values = dict(locals())
+        put = object.__setattr__
+        for f in dataclasses.fields(self):
+            put(self, f.name, values[f.name])
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -249,26 +282,66 @@ class WorkspaceConfiguration:
 
 
 class WorkspaceConfigurationBuilder:
-    """``WorkspaceConfiguration.builder().initial_size("64MiB").policy_spill(SpillPolicy.REALLOCATE).build()``"""
-
-    _fields: ClassVar[frozenset[str]] = frozenset(f.name for f in dataclasses.fields(WorkspaceConfiguration))
+    """``WorkspaceConfiguration.builder().initial_size("64MiB").policy_spill(SpillPolicy.REALLOCATE).build()``:
+    one chainable method per field (each takes what the constructor takes), then ``build()``."""
 
     def __init__(self) -> None:
         self._values: dict[str, Any] = {}
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name not in self._fields:
-            raise AttributeError(f"WorkspaceConfigurationBuilder has no setting {name!r}")
+    def _set(self, name: str, value: Any) -> WorkspaceConfigurationBuilder:
+        self._values[name] = value
+        return self
 
-        def setter(value: Any) -> WorkspaceConfigurationBuilder:
-            self._values[name] = value
-            return self
+    def initial_size(self, value: Size) -> WorkspaceConfigurationBuilder:
+        return self._set("initial_size", value)
 
-        setter.__name__ = name
-        return setter
+    def min_size(self, value: Size) -> WorkspaceConfigurationBuilder:
+        return self._set("min_size", value)
 
-    def __dir__(self) -> list[str]:
-        return sorted(self._fields | {"build"})
+    def max_size(self, value: Size) -> WorkspaceConfigurationBuilder:
+        return self._set("max_size", value)
+
+    def overallocation_limit(self, value: float) -> WorkspaceConfigurationBuilder:
+        return self._set("overallocation_limit", value)
+
+    def cycles_before_initialization(self, value: int) -> WorkspaceConfigurationBuilder:
+        return self._set("cycles_before_initialization", value)
+
+    def policy_allocation(self, value: AllocationPolicy | str) -> WorkspaceConfigurationBuilder:
+        return self._set("policy_allocation", value)
+
+    def policy_learning(self, value: LearningPolicy | str) -> WorkspaceConfigurationBuilder:
+        return self._set("policy_learning", value)
+
+    def policy_spill(self, value: SpillPolicy | str) -> WorkspaceConfigurationBuilder:
+        return self._set("policy_spill", value)
+
+    def policy_reset(self, value: ResetPolicy | str) -> WorkspaceConfigurationBuilder:
+        return self._set("policy_reset", value)
+
+    def policy_mirroring(self, value: MirroringPolicy | str) -> WorkspaceConfigurationBuilder:
+        return self._set("policy_mirroring", value)
+
+    def policy_location(self, value: LocationPolicy | str) -> WorkspaceConfigurationBuilder:
+        return self._set("policy_location", value)
+
+    def temp_file_path(self, value: str | os.PathLike[str] | None) -> WorkspaceConfigurationBuilder:
+        return self._set("temp_file_path", value)
+
+    def temp_block_size(self, value: Size) -> WorkspaceConfigurationBuilder:
+        return self._set("temp_block_size", value)
+
+    def helper_min_size(self, value: Size) -> WorkspaceConfigurationBuilder:
+        return self._set("helper_min_size", value)
+
+    def helper_allow_fallback(self, value: bool) -> WorkspaceConfigurationBuilder:
+        return self._set("helper_allow_fallback", value)
+
+    def use_cycle_detector(self, value: bool) -> WorkspaceConfigurationBuilder:
+        return self._set("use_cycle_detector", value)
+
+    def debug_mode(self, value: DebugMode | str) -> WorkspaceConfigurationBuilder:
+        return self._set("debug_mode", value)
 
     def build(self) -> WorkspaceConfiguration:
         return WorkspaceConfiguration(**self._values)

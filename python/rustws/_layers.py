@@ -178,19 +178,17 @@ class LayerWorkspaceMgr:
     def dup(self, array_type: Any, a: Any) -> np.ndarray:
         """A copy of ``a`` in ``array_type``'s workspace."""
         t = _check_type(array_type)
-        src = np.asarray(a)
+        src = np.asanyarray(a)  # subclasses are kept, as by np.copy(subok=True)
         ws = self._open_workspace(t, "dup")
         if ws is None:
             return self._track(t, detach(src))
-        out = ws.empty_like(src)
-        np.copyto(out, src, casting="no")
-        return self._track(t, out)
+        return self._track(t, ws._copy_of(src))
 
     def leverage_to(self, array_type: Any, a: Any) -> np.ndarray:
         """``a`` in ``array_type``'s workspace: itself when already there, else a copy (a detached
         copy when the type has no workspace)."""
         t = _check_type(array_type)
-        arr = np.asarray(a)
+        arr = np.asanyarray(a)
         ws = self._open_workspace(t, "leverage_to")
         if ws is None:
             return arr if owner(arr) is None else self._track(t, detach(arr))
@@ -209,7 +207,7 @@ class LayerWorkspaceMgr:
         """Returns ``a`` when it lives where ``array_type`` says (or migrated there when asked);
         raises a ``WorkspaceError`` naming the expected and the actual workspace otherwise."""
         t = _check_type(array_type)
-        arr = np.asarray(a)
+        arr = np.asanyarray(a)
         expected = self.workspace_name(t)
         actual = owner(arr)
         actual_name = None if actual is None else actual.name

@@ -59,9 +59,7 @@ def _copy_into(ws: Workspace, item: Any) -> Any:
     if isinstance(item, np.ndarray):
         if item.dtype.hasobject:
             return item.copy()
-        out = ws.empty_like(item)
-        np.copyto(out, item, casting="no")
-        return out
+        return ws._copy_of(item)  # of the item's subclass, as np.copy(subok=True)
     if isinstance(item, tuple):
         return tuple(_copy_into(ws, x) for x in item)
     if isinstance(item, list):

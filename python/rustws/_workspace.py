@@ -14,19 +14,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import sys
 import threading
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, TextIO, TypeAlias, TypeVar, overload
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from . import _rustws
 from ._config import WorkspaceConfiguration, WorkspaceStats
-from ._errors import LeakedArrayError, NoSuchWorkspaceError, WorkspaceClosedError
+from ._errors import (
+    EscapedArrayWarning,
+    LeakedArrayError,
+    NoSuchWorkspaceError,
+    WorkspaceClosedError,
+    WorkspaceOutOfMemory,
+)
+
+if TYPE_CHECKING:
+    from .cuda import DeviceWorkspace
 
 __all__ = [
     "Workspace",
@@ -44,6 +55,57 @@ __all__ = [
 ]
 
 logger = logging.getLogger("rustws")
+# A library's logger: silent unless the program configures logging (then WARNING records of refused
+# requests, INFO when a workspace settles, DEBUG records of what its arena does).
+logger.addHandler(logging.NullHandler())
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _show_escapes_by_default() -> None:
+    """Puts a ``default`` filter for ``EscapedArrayWarning`` just before the standard filter that
+    ignores every ``ResourceWarning``, where there is one: filters from ``-W``, the environment and
+    the program stay in front of it and keep deciding."""
+    filters = warnings.filters
+    if any(f[2] is EscapedArrayWarning for f in filters):
+        return
+    # ``-W`` options and PYTHONWARNINGS go in front of the standard filters, and an option equal to
+    # a standard filter replaces it: one naming ResourceWarning is the user's own choice.
+    if any("ResourceWarning" in option for option in sys.warnoptions):
+        return
+    for i in range(len(filters) - 1, -1, -1):
+        if tuple(filters[i]) == ("ignore", None, ResourceWarning, None, 0):
+            filters.insert(i, ("default", None, EscapedArrayWarning, None, 0))
+            mutated = getattr(warnings, "_filters_mutated", None) or getattr(
+                warnings, "_filters_mutated_lock_held", None
+            )
+            if mutated is not None:
+                mutated()
+            return
+
+
+_show_escapes_by_default()
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning issued by the caller of this function that points at the
+    first frame outside rustws and ``contextlib`` (the user's ``with`` or call)."""
+    frame = sys._getframe(2)
+    level = 2
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR) or frame.f_code.co_filename == contextlib.__file__
+    ):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+ShapeLike: TypeAlias = "SupportsIndex | Sequence[SupportsIndex]"
+Order: TypeAlias = 'Literal["C", "F"]'
+OrderKACF: TypeAlias = 'Literal["K", "A", "C", "F"]'
+_ScalarT = TypeVar("_ScalarT", bound=np.generic)
+_ArrayT = TypeVar("_ArrayT", bound="np.ndarray[Any, Any]")
+_T = TypeVar("_T")
 
 _local = threading.local()
 _BY_ID: weakref.WeakValueDictionary[int, Workspace] = weakref.WeakValueDictionary()
@@ -99,7 +161,17 @@ class Workspace(_rustws.WorkspaceCore):
         if config.use_cycle_detector and os.environ.get("RUSTWS_TRACE") == "1":
             # Record where explicit allocations happen, for the escape report. (Captured
             # allocations happen inside NumPy, where no Python runs.)
-            for fname in ("empty", "zeros", "full", "empty_like", "zeros_like"):
+            for fname in (
+                "empty",
+                "zeros",
+                "ones",
+                "full",
+                "empty_like",
+                "zeros_like",
+                "ones_like",
+                "full_like",
+                "asarray",
+            ):
                 setattr(self, fname, self._traced(getattr(self, fname)))
 
     def _traced(self, allocate: Any) -> Any:
@@ -127,8 +199,7 @@ class Workspace(_rustws.WorkspaceCore):
     # Cycles: ``__enter__`` / ``__exit__`` are the core's (rustws._rustws.WorkspaceCore); this
     # hook runs only when a cycle has something to report.
     def _after_cycle(self, leaked: bool, escaped_blocks: int, escaped_bytes: int) -> None:
-        for message in self._drain_failures():
-            logger.warning("%s", message)
+        _report_refusals(self._drain_failures())
         if leaked:
             cycle = self.generation - 1
             message = (
@@ -140,7 +211,31 @@ class Workspace(_rustws.WorkspaceCore):
                 message += "; explicit allocations among them: " + "; ".join(sites)
             if os.environ.get("RUSTWS_STRICT") == "1":
                 raise LeakedArrayError(message)
-            warnings.warn(message, ResourceWarning, stacklevel=3)
+            warnings.warn(message, EscapedArrayWarning, stacklevel=_user_stacklevel())
+
+    if TYPE_CHECKING:
+        # The bindings' methods, as a host workspace returns them (ndarrays; a DeviceWorkspace
+        # returns DeviceArrays and says so).
+        def __enter__(self) -> Workspace: ...
+
+        @overload
+        def empty(self, shape: ShapeLike, dtype: None = None, order: str = "C") -> NDArray[np.float64]: ...
+        @overload
+        def empty(
+            self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: str = "C"
+        ) -> NDArray[_ScalarT]: ...
+        @overload
+        def empty(self, shape: ShapeLike, dtype: DTypeLike | None, order: str = "C") -> NDArray[Any]: ...
+        def empty(self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C") -> Any: ...
+        @overload
+        def zeros(self, shape: ShapeLike, dtype: None = None, order: str = "C") -> NDArray[np.float64]: ...
+        @overload
+        def zeros(
+            self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: str = "C"
+        ) -> NDArray[_ScalarT]: ...
+        @overload
+        def zeros(self, shape: ShapeLike, dtype: DTypeLike | None, order: str = "C") -> NDArray[Any]: ...
+        def zeros(self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C") -> Any: ...
 
     def borrow(self) -> contextlib.AbstractContextManager[Workspace]:
         """Makes this workspace current (and capturing) without opening a new cycle. Entering and
@@ -148,10 +243,34 @@ class Workspace(_rustws.WorkspaceCore):
         if self.is_destroyed:
             raise WorkspaceClosedError(f"workspace {self.name!r} was destroyed")
         install = self.capture and self.debug_mode_name != "BYPASS_EVERYTHING"
-        return _rustws.Scope(self, install, self.handler)  # type: ignore[return-value]
+        return _rustws.Scope(self, install, self.handler)
 
     # -- allocation ---------------------------------------------------------------------------
-    def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> np.ndarray:
+    # ``empty`` and ``zeros`` are the bindings' (no Python runs per call). The rest follow NumPy's
+    # signatures; where NumPy keeps an ndarray subclass (``subok=True``, layouts ``order="K"``
+    # cannot express as C or F) NumPy itself makes the array, with this workspace as its allocator
+    # for the call, so subclasses and their ``__array_finalize__`` behave exactly as in NumPy.
+    def _numpy_here(self, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``make(*args, **kwargs)`` with this workspace as NumPy's allocator (whatever scopes are
+        open); a refusal raises ``WorkspaceOutOfMemory`` with the workspace's reason."""
+        if self.is_destroyed:
+            raise WorkspaceClosedError(f"workspace {self.name!r} was destroyed")
+        previous = _rustws.set_handler(self.handler)
+        try:
+            return make(*args, **kwargs)
+        except MemoryError as e:
+            if isinstance(e, WorkspaceOutOfMemory):
+                raise
+            reasons = self._drain_failures()
+            if not reasons:
+                raise
+            raise WorkspaceOutOfMemory(reasons[-1]) from None
+        finally:
+            _rustws.set_handler(previous)
+
+    def full(
+        self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: str = "C"
+    ) -> NDArray[Any]:
         """A new array over workspace memory filled with ``fill_value``."""
         fill = np.asarray(fill_value)
         if dtype is None:
@@ -164,15 +283,164 @@ class Workspace(_rustws.WorkspaceCore):
             np.copyto(a, fill, casting="unsafe")
         return a
 
-    def empty_like(self, a: Any, dtype: Any = None) -> np.ndarray:
-        a = np.asarray(a)
-        order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-        return self._ndarray(a.shape, a.dtype if dtype is None else dtype, order)
+    @overload
+    def ones(
+        self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: str = "C"
+    ) -> NDArray[_ScalarT]: ...
+    @overload
+    def ones(self, shape: ShapeLike, dtype: DTypeLike | None = float, order: str = "C") -> NDArray[Any]: ...
+    def ones(self, shape: ShapeLike, dtype: DTypeLike | None = float, order: str = "C") -> Any:
+        """As ``np.ones``, over workspace memory."""
+        return type(self).full(self, shape, 1, np.dtype(dtype), order)
 
-    def zeros_like(self, a: Any, dtype: Any = None) -> np.ndarray:
-        a = np.asarray(a)
-        order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-        return self._ndarray(a.shape, a.dtype if dtype is None else dtype, order, True)
+    def _like(self, a: Any, dtype: Any, order: str, subok: bool, shape: Any, fill: Any) -> Any:
+        """NumPy's ``*_like``: ``fill`` is None (empty), 0 (zeros) or the fill value."""
+        proto = a if isinstance(a, np.ndarray) else _as_ndarray(a)
+        dt = proto.dtype if dtype is None else np.dtype(dtype)
+        _refuse_objects(dt)
+        o = order.upper() if isinstance(order, str) else order
+        contiguous = proto.flags.c_contiguous or proto.flags.f_contiguous
+        if (subok and type(proto) is not np.ndarray) or (o == "K" and not contiguous) or o not in "KACF":
+            out = self._numpy_here(np.empty_like, proto, dt, order, subok, shape)
+            if fill is not None:
+                np.copyto(out, fill, casting="unsafe")
+            return out
+        shp = proto.shape if shape is None else shape
+        if o in ("K", "A"):
+            # As NumPy: "A" and "K" follow a Fortran-only prototype, "K" only at the same ndim.
+            fortran = proto.flags.f_contiguous and not proto.flags.c_contiguous
+            if o == "K" and shape is not None:
+                fortran = fortran and (len(shp) if isinstance(shp, (tuple, list)) else 1) == proto.ndim
+            o = "F" if fortran else "C"
+        if fill is None or (isinstance(fill, int) and fill == 0 and not isinstance(fill, bool)):
+            return self._ndarray(shp, dt, o, fill is not None)
+        out = self._ndarray(shp, dt, o)
+        np.copyto(out, fill, casting="unsafe")
+        return out
+
+    @overload
+    def empty_like(
+        self,
+        a: _ArrayT,
+        dtype: None = None,
+        order: OrderKACF = "K",
+        subok: Literal[True] = True,
+        shape: None = None,
+    ) -> _ArrayT: ...
+    @overload
+    def empty_like(
+        self,
+        a: ArrayLike,
+        dtype: DTypeLike | None = None,
+        order: OrderKACF = "K",
+        subok: bool = True,
+        shape: ShapeLike | None = None,
+    ) -> NDArray[Any]: ...
+    def empty_like(
+        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> Any:
+        """As ``np.empty_like``, over workspace memory (subclasses kept with ``subok``)."""
+        return self._like(a, dtype, order, subok, shape, None)
+
+    @overload
+    def zeros_like(
+        self,
+        a: _ArrayT,
+        dtype: None = None,
+        order: OrderKACF = "K",
+        subok: Literal[True] = True,
+        shape: None = None,
+    ) -> _ArrayT: ...
+    @overload
+    def zeros_like(
+        self,
+        a: ArrayLike,
+        dtype: DTypeLike | None = None,
+        order: OrderKACF = "K",
+        subok: bool = True,
+        shape: ShapeLike | None = None,
+    ) -> NDArray[Any]: ...
+    def zeros_like(
+        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> Any:
+        """As ``np.zeros_like``, over workspace memory."""
+        return self._like(a, dtype, order, subok, shape, 0)
+
+    @overload
+    def ones_like(
+        self,
+        a: _ArrayT,
+        dtype: None = None,
+        order: OrderKACF = "K",
+        subok: Literal[True] = True,
+        shape: None = None,
+    ) -> _ArrayT: ...
+    @overload
+    def ones_like(
+        self,
+        a: ArrayLike,
+        dtype: DTypeLike | None = None,
+        order: OrderKACF = "K",
+        subok: bool = True,
+        shape: ShapeLike | None = None,
+    ) -> NDArray[Any]: ...
+    def ones_like(
+        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> Any:
+        """As ``np.ones_like``, over workspace memory."""
+        return self._like(a, dtype, order, subok, shape, 1)
+
+    @overload
+    def full_like(
+        self,
+        a: _ArrayT,
+        fill_value: ArrayLike,
+        dtype: None = None,
+        order: OrderKACF = "K",
+        subok: Literal[True] = True,
+        shape: None = None,
+    ) -> _ArrayT: ...
+    @overload
+    def full_like(
+        self,
+        a: ArrayLike,
+        fill_value: ArrayLike,
+        dtype: DTypeLike | None = None,
+        order: OrderKACF = "K",
+        subok: bool = True,
+        shape: ShapeLike | None = None,
+    ) -> NDArray[Any]: ...
+    def full_like(
+        self,
+        a: Any,
+        fill_value: Any,
+        dtype: Any = None,
+        order: str = "K",
+        subok: bool = True,
+        shape: Any = None,
+    ) -> Any:
+        """As ``np.full_like``, over workspace memory."""
+        return self._like(a, dtype, order, subok, shape, fill_value)
+
+    def asarray(
+        self, a: ArrayLike, dtype: DTypeLike | None = None, order: OrderKACF | None = None
+    ) -> NDArray[Any]:
+        """As ``np.asarray``, with the result in this workspace: ``a`` itself (as an ndarray) when
+        it already lives here with that dtype and order, else a copy made here."""
+        src = a if isinstance(a, np.ndarray) else _as_ndarray(a)
+        _refuse_objects(src.dtype if dtype is None else np.dtype(dtype))
+        if owner(src) is self:
+            same: NDArray[Any] = self._numpy_here(np.asarray, src, dtype=dtype, order=order)
+            return same
+        copy: NDArray[Any] = self._numpy_here(
+            np.array, src, dtype=dtype, order="K" if order is None else order, copy=True
+        )
+        return copy
+
+    def _copy_of(self, a: np.ndarray) -> Any:
+        """A copy of ``a`` in this workspace, of its subclass (as ``np.copy(a, subok=True)``)."""
+        _refuse_objects(a.dtype)
+        return self._numpy_here(np.array, a, copy=True, subok=True, order="K")
 
     # -- state --------------------------------------------------------------------------------
     def stats(self) -> WorkspaceStats:
@@ -189,6 +457,36 @@ class Workspace(_rustws.WorkspaceCore):
         # ``owner`` still finds it while this object lives: its memory holds the remaining arrays.
 
     close = destroy
+
+
+def _refuse_objects(dtype: np.dtype[Any]) -> None:
+    if dtype.hasobject:
+        raise TypeError(f"dtype {dtype} holds Python objects; workspace memory never holds Python references")
+
+
+def _as_ndarray(a: Any) -> NDArray[Any]:
+    """``a`` as an ndarray without asking it for a copy: ``np.asarray`` calls ``__array__``
+    without the ``copy`` keyword, which frameworks written before NumPy 2 (PyTorch's tensors
+    among them) answer with a ``DeprecationWarning`` when NumPy passes it."""
+    return np.asarray(a)
+
+
+def _report_refusals(messages: list[str]) -> None:
+    """Tells why captured requests were refused. NumPy turns a refusal into its plain
+    ``MemoryError`` ("Unable to allocate ..."); when that error is what leaves the cycle, the
+    workspace's reasons are added to it as notes (PEP 678), so the traceback says why. Every
+    refusal is also logged (WARNING), including those whose error was caught inside the cycle."""
+    if not messages:
+        return
+    exc = sys.exc_info()[1]
+    if isinstance(exc, MemoryError) and not isinstance(exc, WorkspaceOutOfMemory):
+        notes = getattr(exc, "__notes__", ())
+        for message in messages:
+            note = f"rustws: {message}"
+            if note not in notes:
+                exc.add_note(note)
+    for message in messages:
+        logger.warning("%s", message)
 
 
 def _check_name(name: Any) -> str:
@@ -222,9 +520,38 @@ def _check_device(device: Any) -> tuple[str, int | None]:
     raise ValueError(f"invalid device {device!r}: expected 'cpu' or 'cuda:N'")
 
 
+CudaDevice: TypeAlias = (
+    'Literal["cuda", "cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:4", "cuda:5", "cuda:6", "cuda:7"]'
+)
+
+
+@overload
 def workspace(
     name: str = "DEFAULT",
-    config: WorkspaceConfiguration | None = None,
+    config: WorkspaceConfiguration | dict[str, Any] | None = None,
+    *,
+    device: Literal["cpu"] = "cpu",
+    capture: bool | None = None,
+) -> Workspace: ...
+@overload
+def workspace(
+    name: str = "DEFAULT",
+    config: WorkspaceConfiguration | dict[str, Any] | None = None,
+    *,
+    device: CudaDevice,
+    capture: bool | None = None,
+) -> DeviceWorkspace: ...
+@overload
+def workspace(
+    name: str = "DEFAULT",
+    config: WorkspaceConfiguration | dict[str, Any] | None = None,
+    *,
+    device: str,
+    capture: bool | None = None,
+) -> Workspace: ...
+def workspace(
+    name: str = "DEFAULT",
+    config: WorkspaceConfiguration | dict[str, Any] | None = None,
     *,
     device: str = "cpu",
     capture: bool | None = None,
@@ -247,7 +574,7 @@ def workspace(
         if (cfg is None or cfg == ws.config) and dev == getattr(ws, "requested_device", ws.device):
             if capture is not None:
                 ws.capture = capture
-            return ws
+            return _observed(ws)
         if ws.is_open:
             raise ValueError(
                 f"workspace {name!r} is open with a different configuration or device; "
@@ -265,11 +592,134 @@ def workspace(
     else:
         if _device_factory is None:  # pragma: no cover - the package imports rustws.cuda
             raise RuntimeError("device workspaces need rustws.cuda, which is not imported")
-        ws = _device_factory(name, cfg, dev, ordinal, capture)
+        ws = _device_factory(name, cfg, dev, ordinal, capture)  # a DeviceWorkspace
     ws._registry = weakref.ref(reg)
     reg[name] = ws
     _BY_ID[ws.id] = ws
+    return _observed(ws)
+
+
+# -- diagnostics -----------------------------------------------------------------------------------
+# The rustws logger says, at INFO, when a workspace first settles, and at DEBUG what its arena did
+# in each cycle. Those records are derived from what the statistics show at cycle ends (and from the
+# thread's page faults while a cycle opens), so only workspaces whose records someone reads pay for
+# them: ``rustws.workspace()`` gives a workspace the observing class below when the logger is
+# enabled for INFO, and an observed workspace drops it again at a cycle end once the logger is not.
+# An unobserved cycle runs exactly the bindings' ``__enter__`` / ``__exit__``.
+
+
+def _thread_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+class _CycleObserver:
+    """Mixed in front of a workspace class: logs what each outermost cycle did."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Any:
+        ws: Any = self
+        if ws.is_open:
+            return super().__enter__()  # type: ignore[misc]
+        before = _thread_faults()
+        entered = super().__enter__()  # type: ignore[misc]
+        faults = _thread_faults() - before
+        if faults and logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "workspace %r: %d page faults while opening cycle %d (the arena's learned part is "
+                "pre-faulted)",
+                ws.name,
+                faults,
+                ws.generation,
+            )
+        return entered
+
+    def __exit__(self, *exc: Any) -> Any:
+        ws: Any = self
+        try:
+            return super().__exit__(*exc)  # type: ignore[misc]
+        finally:
+            if not ws.is_open and not ws.is_destroyed:
+                _after_observed_cycle(ws)
+
+
+_OBSERVED: dict[type, type] = {}
+
+
+def _observed(ws: Workspace) -> Workspace:
+    cls = type(ws)
+    if isinstance(ws, _CycleObserver) or not logger.isEnabledFor(logging.INFO):
+        return ws
+    observed = _OBSERVED.get(cls)
+    if observed is None:
+        observed = _OBSERVED[cls] = type(
+            cls.__name__, (_CycleObserver, cls), {"__slots__": (), "__module__": cls.__module__}
+        )
+        observed.__qualname__ = cls.__qualname__
+    ws.__class__ = observed
+    ws.__dict__.setdefault("_observed_last", ws.stats())
+    ws.__dict__.setdefault("_observed_settled", False)
     return ws
+
+
+def _after_observed_cycle(ws: Any) -> None:
+    if not logger.isEnabledFor(logging.INFO):
+        ws.__class__ = type(ws).__mro__[2]  # the class it had: back to the bindings' cycles
+        return
+    last: WorkspaceStats = ws._observed_last
+    now: WorkspaceStats = ws.stats()
+    ws._observed_last = now
+    cycle = now.cycles - 1
+    spills = now.spill_count - last.spill_count
+    changed = now.capacity_bytes != last.capacity_bytes
+    if logger.isEnabledFor(logging.DEBUG):
+        name = ws.name
+        if changed:
+            a, b = last.capacity_bytes, now.capacity_bytes
+            if a == 0:
+                what = f"mapped an arena of {_fmt_bytes(b)}"
+            elif b == 0:
+                what = f"released its arena of {_fmt_bytes(a)}"
+            else:
+                verb = "grew" if b > a else "shrank"
+                what = f"arena {verb} (remapped) {_fmt_bytes(a)} -> {_fmt_bytes(b)}"
+            logger.debug("workspace %r: cycle %d %s", name, cycle, what)
+        if spills:
+            logger.debug(
+                "workspace %r: cycle %d spilled %d request(s) outside the arena (peak %s, arena %s)",
+                name,
+                cycle,
+                spills,
+                _fmt_bytes(now.peak_cycle_bytes),
+                _fmt_bytes(last.capacity_bytes),
+            )
+        elif now.peak_cycle_bytes > max(now.capacity_bytes, last.capacity_bytes) > 0:
+            logger.debug(
+                "workspace %r: cycle %d served %s beyond its arena without spilling (huge "
+                "requests get mappings of their own)",
+                name,
+                cycle,
+                _fmt_bytes(now.peak_cycle_bytes - max(now.capacity_bytes, last.capacity_bytes)),
+            )
+        if now.pinned_bytes:
+            logger.debug(
+                "workspace %r: after cycle %d, %s stay pinned under arrays that outlived it",
+                name,
+                cycle,
+                _fmt_bytes(now.pinned_bytes),
+            )
+    calm = not spills and not changed and now.allocation_count > last.allocation_count
+    if calm and not ws._observed_settled and now.capacity_bytes > 0:
+        ws._observed_settled = True
+        logger.info(
+            "workspace %r settled after %d cycles: arena %s, peak %s per cycle, no spill or "
+            "resize in cycle %d",
+            ws.name,
+            now.cycles,
+            _fmt_bytes(now.capacity_bytes),
+            _fmt_bytes(now.peak_cycle_bytes),
+            cycle,
+        )
 
 
 def get_and_activate_workspace(
@@ -287,7 +737,8 @@ def get_workspace(name: str) -> Workspace | None:
 
 def current_workspace() -> Workspace | None:
     """The innermost workspace of this thread or task (None inside ``scope_out_of_workspaces``)."""
-    return _rustws.current_workspace()  # type: ignore[return-value]
+    ws: Workspace | None = _rustws.current_workspace()
+    return ws
 
 
 def workspaces() -> list[Workspace]:
@@ -297,7 +748,7 @@ def workspaces() -> list[Workspace]:
 
 def scope_out_of_workspaces() -> contextlib.AbstractContextManager[None]:
     """Inside, no workspace is current and NumPy allocates with its default allocator."""
-    return _rustws.Scope(None, True, None)  # type: ignore[return-value]
+    return _rustws.Scope(None, True, None)
 
 
 def destroy_all_workspaces_for_current_thread() -> None:
@@ -308,39 +759,67 @@ def destroy_all_workspaces_for_current_thread() -> None:
     _rustws.settle_scopes()
 
 
-def detach(a: Any) -> np.ndarray:
-    """An independent copy of ``a`` in ordinary memory (also inside a capturing cycle)."""
+@overload
+def detach(a: _ArrayT) -> _ArrayT: ...
+@overload
+def detach(a: ArrayLike | _rustws.DeviceArray) -> NDArray[Any]: ...
+def detach(a: Any) -> Any:
+    """An independent copy of ``a`` in ordinary memory (also inside a capturing cycle), of its
+    ndarray subclass."""
     previous = _rustws.set_handler(None)
     try:
-        return np.array(a, copy=True, subok=True)
+        src = a if isinstance(a, (np.ndarray, _rustws.DeviceArray)) else _as_ndarray(a)
+        return np.array(src, copy=True, subok=True)
     finally:
         _rustws.set_handler(previous)
 
 
+@overload
+def leverage_to(name: str, a: _ArrayT, *, enforce_existence: bool = False) -> _ArrayT: ...
+@overload
+def leverage_to(name: str, a: _T, *, enforce_existence: bool = False) -> _T | NDArray[Any]: ...
 def leverage_to(name: str, a: Any, *, enforce_existence: bool = False) -> Any:
-    """A copy of ``a`` in the open workspace ``name``; ``a`` itself when there is none (or
-    ``NoSuchWorkspaceError`` when ``enforce_existence``)."""
+    """A copy of ``a`` in the open workspace ``name`` (of its ndarray subclass); ``a`` itself when
+    there is none (or ``NoSuchWorkspaceError`` when ``enforce_existence``)."""
     target = get_workspace(name)
     if target is None or not target.is_open:
         if enforce_existence:
             raise NoSuchWorkspaceError(f"no open workspace {name!r} on this thread")
         return a
-    arr = np.asarray(a)
-    out = target.empty_like(arr)
-    np.copyto(out, arr, casting="no")
-    return out
+    src = a if isinstance(a, np.ndarray) else _as_ndarray(a)
+    return target._copy_of(src)
 
 
 def owner(a: Any) -> Workspace | None:
-    """The workspace whose memory holds ``a`` (following ``.base``), else None."""
-    if isinstance(a, _rustws.DeviceArray):
-        if a.is_disposed:
+    """The workspace whose memory holds ``a``, else None. ``a`` is an ndarray (its ``.base`` chain
+    is followed, through ``memoryview``s and other buffer exporters on it), a ``memoryview`` (its
+    exporter is followed), or a ``DeviceArray``."""
+    for _ in range(64):  # exporter chains are short; a cycle of references must not loop forever
+        if isinstance(a, _rustws.DeviceArray):
+            if a.is_disposed:
+                return None
+            if a._host is None:
+                ws: Workspace | None = a.workspace
+                return ws
+            a = a._host
+            continue
+        if isinstance(a, memoryview):
+            a = a.obj
+            continue
+        if not isinstance(a, np.ndarray):
             return None
-        return owner(a._host) if a._host is not None else a.workspace
-    base = a
-    while isinstance(base, np.ndarray) and not base.flags.owndata and base.base is not None:
-        base = base.base
-    if not isinstance(base, np.ndarray) or not base.flags.owndata:
+        base = a
+        while isinstance(base, np.ndarray) and not base.flags.owndata and base.base is not None:
+            base = base.base
+        if not isinstance(base, np.ndarray):
+            a = base  # a view of another exporter's memory (np.frombuffer, np.asarray(memoryview))
+            continue
+        return _owner_of_data(base)
+    return None
+
+
+def _owner_of_data(base: np.ndarray) -> Workspace | None:
+    if not base.flags.owndata:
         return None
     ident = _rustws.block_owner(base)
     return _BY_ID.get(ident) if ident is not None else None

@@ -29,14 +29,15 @@ and the framework integrations.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _rustws
 from ._config import LearningPolicy, MirroringPolicy, WorkspaceConfiguration
-from ._errors import DeviceUnavailableError
-from ._workspace import _BY_ID, Workspace, _set_device_factory
+from ._errors import DeviceUnavailableError, WorkspaceClosedError
+from ._workspace import _BY_ID, ShapeLike, Workspace, _set_device_factory
 
 __all__ = ["DeviceArray", "DeviceWorkspace", "asarray", "device_count", "is_available", "unavailable_reason"]
 
@@ -75,6 +76,15 @@ class DeviceWorkspace(Workspace):
     fallback_reason: str | None
     _mirror_ws: Workspace | None
 
+    if TYPE_CHECKING:
+        # The bindings' empty and zeros, as a device workspace returns them.
+        def empty(  # type: ignore[override]
+            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C"
+        ) -> DeviceArray: ...
+        def zeros(  # type: ignore[override]
+            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C"
+        ) -> DeviceArray: ...
+
     def _setup_device(
         self,
         requested: str,
@@ -99,9 +109,10 @@ class DeviceWorkspace(Workspace):
             raise
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         try:
-            return bool(Workspace.__exit__(self, *exc))
+            Workspace.__exit__(self, *exc)
+            return False
         finally:
             mirror = self._mirror_ws
             if mirror is not None and mirror.is_open:
@@ -116,7 +127,9 @@ class DeviceWorkspace(Workspace):
     close = destroy
 
     # -- allocation -------------------------------------------------------------------------------
-    def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> Any:
+    def full(  # type: ignore[override]
+        self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: str = "C"
+    ) -> DeviceArray:
         if self._on_device:
             if dtype is None:
                 dtype = np.array(fill_value).dtype
@@ -124,19 +137,66 @@ class DeviceWorkspace(Workspace):
             return out.copy_from(np.full(out.shape, fill_value, out.dtype))
         return _rustws.wrap_host(Workspace.full(self, shape, fill_value, dtype, order), self, self.device)
 
-    def _like(self, a: Any) -> tuple[tuple[int, ...], np.dtype[Any], str]:
+    def _device_like(
+        self, a: Any, dtype: Any, order: str, shape: Any
+    ) -> tuple[tuple[int, ...], np.dtype[Any], str]:
+        """Shape, dtype and order of NumPy's ``*_like`` (DeviceArrays have no subclasses, and
+        are C or F contiguous)."""
         if isinstance(a, DeviceArray):
-            return a.shape, a.dtype, "F" if a._fortran else "C"
-        arr = np.asarray(a)
-        return arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+            shp, dt, fortran = a.shape, a.dtype, a._fortran
+        else:
+            arr = np.asarray(a)
+            shp, dt = arr.shape, arr.dtype
+            fortran = arr.flags.f_contiguous and not arr.flags.c_contiguous
+        o = order.upper() if isinstance(order, str) else order
+        if shape is not None:
+            new = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
+            fortran = fortran and (o == "A" or len(new) == len(shp))
+            shp = new
+        if o in ("K", "A"):
+            o = "F" if fortran else "C"
+        return shp, dt if dtype is None else np.dtype(dtype), o
 
-    def empty_like(self, a: Any, dtype: Any = None) -> Any:
-        shape, dt, order = self._like(a)
-        return self.empty(shape, dt if dtype is None else dtype, order)
+    def empty_like(  # type: ignore[override]
+        self, a: Any, dtype: DTypeLike | None = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> DeviceArray:
+        return self.empty(*self._device_like(a, dtype, order, shape))
 
-    def zeros_like(self, a: Any, dtype: Any = None) -> Any:
-        shape, dt, order = self._like(a)
-        return self.zeros(shape, dt if dtype is None else dtype, order)
+    def zeros_like(  # type: ignore[override]
+        self, a: Any, dtype: DTypeLike | None = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> DeviceArray:
+        return self.zeros(*self._device_like(a, dtype, order, shape))
+
+    def ones_like(  # type: ignore[override]
+        self, a: Any, dtype: DTypeLike | None = None, order: str = "K", subok: bool = True, shape: Any = None
+    ) -> DeviceArray:
+        shp, dt, o = self._device_like(a, dtype, order, shape)
+        return self.full(shp, 1, dt, o)
+
+    def full_like(  # type: ignore[override]
+        self,
+        a: Any,
+        fill_value: ArrayLike,
+        dtype: DTypeLike | None = None,
+        order: str = "K",
+        subok: bool = True,
+        shape: Any = None,
+    ) -> DeviceArray:
+        shp, dt, o = self._device_like(a, dtype, order, shape)
+        return self.full(shp, fill_value, dt, o)
+
+    def asarray(self, a: Any, dtype: Any = None, order: Any = None) -> DeviceArray:  # type: ignore[override]
+        """``a`` as a ``DeviceArray`` of this workspace: itself when it is one already (with that
+        dtype), else a copy."""
+        if isinstance(a, DeviceArray) and a.workspace is self and dtype in (None, a.dtype):
+            return a
+        src = a.to_numpy() if isinstance(a, DeviceArray) else np.asarray(a)
+        if dtype is not None or order is not None:
+            src = np.asarray(src, dtype=dtype, order=order)
+        return asarray(src, self)
+
+    def _copy_of(self, a: np.ndarray) -> DeviceArray:
+        return asarray(a, self)
 
 
 def asarray(a: Any, workspace: Any) -> DeviceArray:
@@ -156,16 +216,24 @@ def asarray(a: Any, workspace: Any) -> DeviceArray:
 
 
 def _gpu_ordinal(ws: Any, user: str) -> int:
-    """The CUDA ordinal of ``ws``, a live device workspace on a GPU; else a ``TypeError`` /
-    ``ValueError`` saying why ``user`` cannot take it."""
+    """The CUDA ordinal of ``ws``, a live device workspace on a GPU. Otherwise: ``TypeError`` for
+    anything but a device workspace, ``WorkspaceClosedError`` for a destroyed one,
+    ``DeviceUnavailableError`` (with the reason) for one that fell back to host memory because
+    the device is unusable, ``ValueError`` for one configured to hold host memory
+    (``HOST_ONLY``)."""
     if not isinstance(ws, DeviceWorkspace):
         raise TypeError(f"{user} needs a device workspace, got {type(ws).__name__}")
     if ws.is_destroyed:
-        raise ValueError(f"workspace {ws.name!r} was destroyed")
+        raise WorkspaceClosedError(f"workspace {ws.name!r} was destroyed")
     dl = ws._dl
     if not ws._on_device or dl is None or dl[0] != _KDL_CUDA:
+        if ws.fallback_reason is not None:
+            raise DeviceUnavailableError(
+                f"workspace {ws.name!r} fell back to host memory: device {ws.requested_device!r} is "
+                f"unavailable ({ws.fallback_reason}); {user} needs a workspace on a GPU"
+            )
         raise ValueError(
-            f"workspace {ws.name!r} holds host memory ({ws.fallback_reason or 'HOST_ONLY mirroring'}); "
+            f"workspace {ws.name!r} holds host memory (HOST_ONLY mirroring); "
             f"{user} needs a workspace on a GPU"
         )
     return int(dl[1])

@@ -1,0 +1,207 @@
+"""Dask integration: ``client.register_plugin(rustws.dask.WorkspacePlugin(name, config))`` gives every
+worker thread its own workspace and runs each task on it as one cycle, as dask-cuda's
+``LocalCUDACluster(rmm_pool_size=...)`` gives every worker its RMM pool.
+
+The plugin wraps the worker's thread pool: each task submitted to it opens a cycle of the executing
+thread's workspace ``name`` around the task, so the temporaries of every task come from that
+thread's arena, which after its first tasks serves them without a page fault. With
+``every_task=False`` only tasks annotated ``dask.annotate(executor="rustws")`` run in cycles (Dask's
+own way of sending a task to a named executor of the worker); the others run as before.
+
+``workspace_stats(client)`` gathers the statistics of every worker thread's workspace into one
+table (``print_workspace_stats`` prints it): workspaces belong to the threads that made them, so
+``client.run(rustws.workspaces)``, which runs on each worker's event loop, sees none of them.
+
+Dask (``distributed``) is an optional dependency: ``pip install 'rustws[dask]'``. Importing this
+module imports ``distributed``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import resource
+import sys
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, TextIO
+
+try:
+    import distributed
+except ImportError as e:  # pragma: no cover - exercised where dask is missing
+    raise ImportError(
+        "rustws.dask needs Dask's distributed, which is not installed (pip install 'rustws[dask]')"
+    ) from e
+
+from ._config import WorkspaceConfiguration
+from ._cycle import _ThreadWorkspace, thread_statistics
+from ._workspace import Workspace, _check_config, _check_name, _fmt_bytes
+
+__all__ = [
+    "EXECUTOR",
+    "WorkspacePlugin",
+    "format_workspace_stats",
+    "print_workspace_stats",
+    "workspace_stats",
+]
+
+EXECUTOR = "rustws"
+"""The executor name that ``dask.annotate(executor=...)`` gives to send a task into a cycle."""
+
+
+def _task_context(fn: Callable[..., Any]) -> contextvars.Context | None:
+    """The context a submitted callable runs its task in, if it carries one. Distributed runs each
+    task through ``lambda: context.run(task, ...)`` with a copy of its event loop's context, and
+    NumPy's allocator is a context variable: the cycle's scope must be opened in that context
+    for the task's allocations to be captured."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, contextvars.Context):
+            return value
+    return None
+
+
+def _in_cycle(ws: Workspace, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    ctx = _task_context(fn)
+    if ctx is None:
+        with ws:
+            return fn(*args, **kwargs)
+    ctx.run(ws.__enter__)
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as e:
+        if not ctx.run(ws.__exit__, type(e), e, e.__traceback__):
+            raise
+        return None
+    ctx.run(ws.__exit__, None, None, None)
+    return result
+
+
+class _CycleThreadPoolExecutor(Executor):
+    """A worker's thread pool whose every submitted call is one cycle of the executing thread's
+    workspace. (Its name says ThreadPoolExecutor: that is how a worker recognises a pool of
+    threads, whose tasks it runs with their context and thread bookkeeping.)"""
+
+    def __init__(self, inner: Executor, target: _ThreadWorkspace) -> None:
+        self.inner = inner
+        self._target = target
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        target = self._target
+
+        def run() -> Any:
+            return _in_cycle(target.get(), fn, args, kwargs)
+
+        return self.inner.submit(run)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.inner.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+    def __getattr__(self, name: str) -> Any:  # _max_workers, _threads ... of the wrapped pool
+        return getattr(self.inner, name)
+
+
+class WorkspacePlugin(distributed.WorkerPlugin):
+    """Every worker thread gets its workspace ``name`` (made with ``config``; the adaptive profile
+    when None), and each task one cycle of it: all tasks, or with ``every_task=False`` those
+    annotated ``dask.annotate(executor="rustws")``.
+
+    ``client.register_plugin(rustws.dask.WorkspacePlugin("TASK", cfg))``; workers that join later get
+    it too. Unregistering it (or closing the worker) restores the worker's own pool."""
+
+    idempotent = True
+
+    def __init__(
+        self, name: str = "DEFAULT", config: WorkspaceConfiguration | None = None, *, every_task: bool = True
+    ) -> None:
+        self.workspace_name = _check_name(name)
+        self.config = _check_config(config)
+        if not isinstance(every_task, bool):
+            raise TypeError(f"every_task must be a bool, got {type(every_task).__name__}")
+        self.every_task = every_task
+        self.name = f"rustws-{self.workspace_name}"
+        self._original: dict[str, Executor] = {}
+
+    def setup(self, worker: distributed.Worker) -> None:
+        default = worker.executors["default"]
+        if isinstance(default, _CycleThreadPoolExecutor):
+            return
+        wrapped = _CycleThreadPoolExecutor(default, _ThreadWorkspace(self.workspace_name, self.config))
+        self._original = {"default": default}
+        worker.executors[EXECUTOR] = wrapped
+        if self.every_task:
+            worker.executors["default"] = wrapped
+
+    def teardown(self, worker: distributed.Worker) -> None:
+        if worker.executors.get(EXECUTOR) is not None:
+            del worker.executors[EXECUTOR]
+        if "default" in self._original:
+            worker.executors["default"] = self._original.pop("default")
+
+
+def _worker_rows(dask_worker: distributed.Worker) -> list[dict[str, Any]]:
+    """This worker's rows: one per thread workspace, with the process's resident set."""
+    rss = hwm = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    worker = str(dask_worker.name)
+    return [
+        {"worker": worker, **row, "rss_bytes": rss, "peak_rss_bytes": hwm, "minor_faults": faults}
+        for row in thread_statistics()
+    ]
+
+
+def workspace_stats(client: distributed.Client, name: str | None = None) -> list[dict[str, Any]]:
+    """One row per worker thread workspace on the cluster (``worker``, ``thread``, ``workspace``,
+    the fields of ``WorkspaceStats``, and the worker process's ``rss_bytes``, ``peak_rss_bytes``
+    and ``minor_faults``), sorted by worker and thread; ``name`` selects one workspace name."""
+    per_worker = client.run(_worker_rows)
+    rows = [row for rows in per_worker.values() for row in rows]
+    if name is not None:
+        rows = [r for r in rows if r["workspace"] == name]
+    return sorted(rows, key=lambda r: (r["worker"], r["workspace"], r["thread"]))
+
+
+def format_workspace_stats(rows: list[dict[str, Any]]) -> str:
+    """The rows of ``workspace_stats`` as a text table."""
+    cols = ("worker", "thread", "workspace", "cycles", "capacity", "peak/cycle", "pinned", "spills", "RSS")
+    lines = []
+    for r in rows:
+        lines.append(
+            (
+                r["worker"],
+                r["thread"],
+                r["workspace"],
+                str(r["cycles"]),
+                _fmt_bytes(r["capacity_bytes"]),
+                _fmt_bytes(r["peak_cycle_bytes"]),
+                _fmt_bytes(r["pinned_bytes"]),
+                str(r["spill_count"]),
+                _fmt_bytes(r["rss_bytes"]),
+            )
+        )
+    widths = [max([len(c)] + [len(v[i]) for v in lines]) for i, c in enumerate(cols)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in lines]
+    if not lines:
+        out.append("(no worker thread has a workspace yet)")
+    return "\n".join(out)
+
+
+def print_workspace_stats(
+    client: distributed.Client, name: str | None = None, file: TextIO | None = None
+) -> None:
+    """Prints ``workspace_stats(client, name)`` as one table."""
+    table = format_workspace_stats(workspace_stats(client, name))
+    print(table, file=file if file is not None else sys.stdout)

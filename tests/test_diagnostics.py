@@ -1,0 +1,149 @@
+"""What rustws tells: its logger (silent by default; INFO when a workspace settles, DEBUG records of
+its arena), escape reports seen under default warning filters at the user's line, ``owner()``
+through buffer exporters, and ``python -m rustws info``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import rustws
+from rustws import _rustws
+from rustws._workspace import Workspace
+
+DETECT = rustws.WorkspaceConfiguration(use_cycle_detector=True, policy_spill="REALLOCATE")
+
+
+def test_the_logger_is_silent_unless_configured():
+    handlers = logging.getLogger("rustws").handlers
+    assert any(isinstance(h, logging.NullHandler) for h in handlers)
+
+
+def _cycles(ws_name: str, sizes: list[int]) -> None:
+    for n in sizes:
+        with rustws.workspace(ws_name):
+            a = np.ones(n) * 2
+            np.tanh(a)
+            del a
+
+
+def test_info_when_a_workspace_settles_and_debug_records_of_its_arena(caplog):
+    with caplog.at_level(logging.DEBUG, logger="rustws"):
+        _cycles("OBSERVED", [1 << 16] * 3 + [1 << 20] + [1 << 16] * 12)
+    records = [r for r in caplog.records if r.name == "rustws"]
+    text = [r.getMessage() for r in records]
+    settled = [m for r, m in zip(records, text, strict=True) if r.levelno == logging.INFO]
+    assert len(settled) == 1 and "'OBSERVED' settled after" in settled[0]  # once
+    debug = [m for r, m in zip(records, text, strict=True) if r.levelno == logging.DEBUG]
+    assert any("mapped an arena" in m for m in debug)
+    assert any("grew" in m for m in debug)  # the larger cycle
+    assert any("spilled" in m for m in debug)
+    assert any("shrank" in m for m in debug)  # once the outlier left the window
+    assert any("page faults while opening cycle" in m for m in debug)  # the pre-fault
+
+
+def test_unobserved_cycles_run_the_bindings_alone(caplog):
+    ws = rustws.workspace("QUIET")
+    assert type(ws) is Workspace  # no Python between `with` and the bindings
+    assert type(ws).__exit__ is _rustws.WorkspaceCore.__exit__
+    with caplog.at_level(logging.INFO, logger="rustws"):
+        ws = rustws.workspace("QUIET")
+        assert type(ws) is not Workspace and isinstance(ws, Workspace)
+        assert type(ws).__name__ == "Workspace"
+    _cycles("QUIET", [1024])  # the logger is quiet again: the workspace drops the observer
+    assert type(ws) is Workspace and not caplog.records
+
+
+def _escape_line() -> int:
+    return sys._getframe(1).f_lineno + 1
+
+
+def test_escape_reports_point_at_the_users_with():
+    ws = rustws.workspace("ESC", DETECT)
+    kept = []
+    with pytest.warns(rustws.EscapedArrayWarning) as rec:
+        line = _escape_line()
+        with ws:
+            kept.append(np.ones(100) * 2)
+    assert issubclass(rustws.EscapedArrayWarning, ResourceWarning)
+    assert rec[0].filename == __file__ and rec[0].lineno == line
+    mgr = rustws.LayerWorkspaceMgr.builder().default_workspace("LAYER", DETECT).build()
+    with pytest.warns(rustws.EscapedArrayWarning) as rec:
+        line = _escape_line()
+        with mgr.notify_scope_entered(rustws.ArrayType.ACTIVATIONS):  # through contextlib
+            kept.append(np.ones(100) * 2)
+    assert rec[0].filename == __file__ and rec[0].lineno == line
+
+    @rustws.cycle("DECO", DETECT)
+    def step() -> np.ndarray:
+        return np.ones(100) * 2
+
+    with pytest.warns(rustws.EscapedArrayWarning) as rec:
+        line = _escape_line()
+        kept.append(step())
+    assert rec[0].filename == __file__ and rec[0].lineno == line
+
+
+SCRIPT = textwrap.dedent(
+    """\
+    import numpy as np
+    import rustws
+
+    cfg = rustws.WorkspaceConfiguration(use_cycle_detector=True)
+    keep = []
+    for _ in range(2):
+        with rustws.workspace("LOOP", cfg):
+            keep.append(np.ones(1000) * 2)
+    """
+)
+
+
+@pytest.mark.parametrize("options", [[], ["-W", "ignore::ResourceWarning"], ["-W", "error"]])
+def test_escape_reports_are_seen_under_default_filters(tmp_path, options):
+    script = tmp_path / "user_loop.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "PYTHONDEVMODE")}
+    proc = subprocess.run([sys.executable, *options, str(script)], capture_output=True, text=True, env=env)
+    if not options:  # Python's defaults ignore ResourceWarning; this one is shown, at the user's line
+        assert proc.returncode == 0, proc.stderr
+        assert f"{script}:7: EscapedArrayWarning" in proc.stderr and "outlived cycle" in proc.stderr
+    elif options[1] == "error":  # the program's own filters still decide
+        assert proc.returncode != 0 and "EscapedArrayWarning" in proc.stderr
+    else:
+        assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_owner_follows_buffer_exporters():
+    ws = rustws.workspace("OWN")
+    with ws:
+        a = np.arange(1024.0)  # above the adaptive profile's helper_min_size
+        view = memoryview(a)
+        assert rustws.owner(view) is ws
+        assert rustws.owner(memoryview(view)) is ws  # a memoryview of a memoryview
+        assert rustws.owner(np.frombuffer(view)) is ws  # an ndarray over the exporter
+        assert rustws.owner(np.asarray(view)[2:]) is ws
+        with rustws.scope_out_of_workspaces():
+            plain = np.arange(1024.0)
+        assert rustws.owner(memoryview(plain)) is None
+        assert rustws.owner(memoryview(b"bytes")) is None
+        assert rustws.owner(np.frombuffer(b"abcdefgh")) is None
+        assert rustws.owner([1, 2]) is None
+
+
+def test_info_lists_libraries_and_rustws_variables(monkeypatch, capsys):
+    from rustws.__main__ import main
+
+    monkeypatch.setenv("RUSTWS_STRICT", "1")
+    monkeypatch.setenv("RUSTWS_NOT_A_SWITCH", "x")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"numpy {np.__version__}" in out
+    assert "RUSTWS_STRICT=1" in out and "RUSTWS_NOT_A_SWITCH=x  (not read by this version)" in out
+    for lib in ("torch", "cupy", "jax", "dask"):
+        assert f"{lib} " in out.split("libraries:")[1]

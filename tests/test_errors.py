@@ -1,0 +1,91 @@
+"""Every rustws error subclasses the nearest built-in, hooks blame the device when the device is the
+cause, and a refused captured allocation says why where it fails."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import rustws
+from rustws import (
+    DeviceUnavailableError,
+    DisposedArrayError,
+    LeakedArrayError,
+    NoSuchWorkspaceError,
+    ScopeError,
+    WorkspaceClosedError,
+    WorkspaceError,
+    WorkspaceOutOfMemory,
+)
+
+FAIL = rustws.WorkspaceConfiguration(initial_size="1MiB", policy_learning="NONE", policy_spill="FAIL")
+
+
+@pytest.mark.parametrize(
+    ("cls", "builtin"),
+    [
+        (WorkspaceOutOfMemory, MemoryError),
+        (WorkspaceClosedError, RuntimeError),
+        (ScopeError, RuntimeError),
+        (LeakedArrayError, RuntimeError),
+        (NoSuchWorkspaceError, KeyError),
+        (DeviceUnavailableError, RuntimeError),
+        (DisposedArrayError, RuntimeError),
+    ],
+)
+def test_every_error_is_also_the_nearest_builtin(cls, builtin):
+    assert issubclass(cls, WorkspaceError) and issubclass(cls, builtin)
+    with pytest.raises(builtin, match="why"):
+        raise cls("why")
+
+
+def test_errors_raised_by_the_bindings_are_caught_as_builtins():
+    ws = rustws.workspace("E")
+    ws.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        ws.__enter__()
+    other = rustws.workspace("E2")
+    with pytest.raises(RuntimeError):  # ScopeError: not open
+        other.__exit__(None, None, None)
+
+
+def _fallback() -> rustws.DeviceWorkspace:
+    with pytest.warns(RuntimeWarning, match="falling back"):
+        ws = rustws.workspace("FALLBACK", device="cuda:99")
+    assert isinstance(ws, rustws.DeviceWorkspace) and ws.fallback_reason
+    return ws
+
+
+def test_hooks_blame_the_device_for_a_host_fallback():
+    ws = _fallback()
+    with pytest.raises(DeviceUnavailableError, match=r"cuda:99.*unavailable"):
+        rustws.torch.use_workspace(ws).__enter__()
+    with pytest.raises(DeviceUnavailableError, match=r"cuda:99.*unavailable"):
+        rustws.cupy.allocator(ws)
+    # A host workspace is the wrong kind of argument, not a device problem.
+    with pytest.raises(TypeError, match="device workspace"):
+        rustws.cupy.allocator(rustws.workspace("HOST"))
+    ws.destroy()
+    with pytest.raises(WorkspaceClosedError, match="destroyed"):
+        rustws.cupy.allocator(ws)
+
+
+def test_a_refused_captured_allocation_carries_the_workspace_reason():
+    ws = rustws.workspace("F", FAIL)
+    with pytest.raises(MemoryError) as info, ws:
+        np.ones(1 << 20)  # 8 MiB, in a 1 MiB arena that may not spill
+    assert not isinstance(info.value, WorkspaceOutOfMemory)  # NumPy's own error ...
+    notes = info.value.__notes__  # ... with the reason attached
+    assert len(notes) == 1 and "'F'" not in notes[0] and '"F"' in notes[0]
+    assert "8388608 bytes" in notes[0] and "FAIL" in notes[0]
+
+
+def test_a_refusal_caught_inside_the_cycle_is_logged(caplog):
+    ws = rustws.workspace("F", FAIL)
+    with caplog.at_level(logging.WARNING, logger="rustws"), ws:
+        with pytest.raises(MemoryError):
+            np.ones(1 << 20)
+        assert not caplog.records  # reported when the cycle ends
+    assert len(caplog.records) == 1 and "8388608 bytes" in caplog.records[0].getMessage()

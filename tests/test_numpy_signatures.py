@@ -1,0 +1,214 @@
+"""Workspaces speak NumPy: ``ones``, ``*_like(a, dtype, order, subok, shape)``, ``full_like``,
+``asarray`` with NumPy's results (values, dtype, layout, subclass), and every rustws API that
+copies an array keeps its ndarray subclass, as ``np.copy(subok=True)`` does."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import rustws
+
+# NumPy's own warning whenever np.matrix is built (its `*` included); rustws warns about nothing here.
+pytestmark = pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+
+CFG = rustws.WorkspaceConfiguration(initial_size="4MiB", policy_spill="REALLOCATE")
+
+
+class Tagged(np.ndarray):
+    """A user subclass whose attribute travels through ``__array_finalize__``."""
+
+    def __array_finalize__(self, obj):
+        self.tag = getattr(obj, "tag", None)
+
+
+def _masked():
+    return np.ma.MaskedArray([1.0, 2.0, 1000.0], mask=[False, False, True])
+
+
+def _matrix():
+    # A view: np.matrix(...) itself warns (PendingDeprecationWarning) on construction.
+    return np.array([[1.0, 2.0], [3.0, 4.0]]).view(np.matrix)
+
+
+def _tagged():
+    t = np.arange(4.0).view(Tagged)
+    t.tag = "kept"
+    return t
+
+
+SUBCLASSES = {"MaskedArray": _masked, "matrix": _matrix, "user subclass": _tagged}
+
+
+def _same_meaning(copy, original):
+    """The copy behaves as the original: its type, and what the subclass is for."""
+    assert type(copy) is type(original)
+    assert not np.shares_memory(np.asarray(copy), np.asarray(original))
+    if isinstance(original, np.ma.MaskedArray):
+        assert copy.sum() == 3.0 and list(copy.mask) == [False, False, True]
+    elif isinstance(original, np.matrix):
+        assert (np.asarray(copy * copy) == [[7.0, 10.0], [15.0, 22.0]]).all()  # matrix product
+    else:
+        assert copy.tag == "kept" and (np.asarray(copy) == np.arange(4.0)).all()
+
+
+@pytest.mark.parametrize("make", SUBCLASSES.values(), ids=SUBCLASSES.keys())
+def test_every_copying_api_keeps_the_subclass(make):
+    ws = rustws.workspace("TARGET", CFG)
+    mgr = rustws.LayerWorkspaceMgr.builder().default_workspace("TARGET", CFG).build()
+    other = rustws.workspace("OTHER", CFG)
+    original = make()  # in ordinary memory
+    with ws:
+        results = {
+            "rustws.leverage_to": rustws.leverage_to("TARGET", original),
+            "mgr.dup": mgr.dup(rustws.ArrayType.ACTIVATIONS, original),
+            "mgr.leverage_to": mgr.leverage_to(rustws.ArrayType.ACTIVATIONS, original),
+            "ws.empty_like + copy": ws.empty_like(original),
+        }
+        results["ws.empty_like + copy"][...] = original
+        if isinstance(original, np.ma.MaskedArray):
+            results["ws.empty_like + copy"].mask = original.mask
+        with other:
+            elsewhere = other._copy_of(original)
+        act = rustws.ArrayType.ACTIVATIONS
+        migrated = mgr.validate_array_location(act, elsewhere, migrate_if_invalid=True)
+        results["mgr.validate_array_location(migrate)"] = migrated
+        for what, copy in results.items():
+            assert rustws.owner(copy) is ws, what
+            _same_meaning(copy, original)
+        _same_meaning(rustws.detach(results["mgr.dup"]), original)
+        assert rustws.owner(rustws.detach(results["mgr.dup"])) is None
+    with rustws.AsyncPrefetch([make() for _ in range(3)]) as it:
+        for item in it:
+            assert rustws.owner(item) is it.workspace
+            _same_meaning(item, original)
+
+
+@pytest.mark.parametrize("make", SUBCLASSES.values(), ids=SUBCLASSES.keys())
+@pytest.mark.parametrize("subok", [True, False])
+@pytest.mark.parametrize("kind", ["empty_like", "zeros_like", "ones_like", "full_like"])
+def test_like_functions_keep_subclasses_as_numpy_does(make, subok, kind):
+    ws = rustws.workspace("LIKE", CFG)
+    a = make()
+    args = (a, 7.0) if kind == "full_like" else (a,)
+    with ws:
+        got = getattr(ws, kind)(*args, subok=subok)
+        want = getattr(np, kind)(*args, subok=subok)
+        assert type(got) is type(want) and got.shape == want.shape and got.dtype == want.dtype
+        assert rustws.owner(got) is ws
+        if kind != "empty_like":
+            assert (np.asarray(got) == np.asarray(want)).all()
+        if isinstance(want, Tagged):
+            assert got.tag == want.tag == "kept"
+
+
+def _prototypes():
+    base = np.arange(24.0).reshape(2, 3, 4)
+    return {
+        "C": base,
+        "F": np.asfortranarray(base),
+        "strided": base.transpose(2, 0, 1),  # neither C nor F: "K" keeps its axis order
+        "list": [[1, 2], [3, 4]],
+        "int32 F": np.asfortranarray(base.astype(np.int32)),
+    }
+
+
+@pytest.mark.parametrize("proto", _prototypes().values(), ids=_prototypes().keys())
+@pytest.mark.parametrize("order", ["K", "A", "C", "F"])
+@pytest.mark.parametrize("shape", [None, (6, 4), 5])
+@pytest.mark.parametrize("dtype", [None, np.float32])
+def test_like_functions_match_numpy_layouts(proto, order, shape, dtype):
+    ws = rustws.workspace("LIKE", CFG)
+    with ws:
+        for kind in ("empty_like", "zeros_like", "ones_like", "full_like"):
+            extra = (3,) if kind == "full_like" else ()
+            got = getattr(ws, kind)(proto, *extra, dtype=dtype, order=order, shape=shape)
+            want = getattr(np, kind)(proto, *extra, dtype=dtype, order=order, shape=shape)
+            assert (got.shape, got.dtype, got.strides) == (want.shape, want.dtype, want.strides), kind
+            assert type(got) is np.ndarray and rustws.owner(got) is ws
+            if kind != "empty_like":
+                assert (got == want).all()
+
+
+def test_ones_and_asarray():
+    ws = rustws.workspace("NP", CFG)
+    with ws:
+        o = ws.ones((3, 2), np.int16, order="F")
+        assert o.dtype == np.int16 and o.flags.f_contiguous and (o == 1).all() and rustws.owner(o) is ws
+        assert ws.ones(4).dtype == np.float64
+        outside = rustws.detach(np.arange(6.0))
+        inside = ws.asarray(outside)
+        assert rustws.owner(inside) is ws and (inside == outside).all()
+        assert ws.asarray(inside) is inside  # already here: no copy, as np.asarray
+        as32 = ws.asarray(inside, dtype=np.float32)
+        assert as32.dtype == np.float32 and rustws.owner(as32) is ws
+        from_list = ws.asarray([[1, 2], [3, 4]], order="F")
+        assert from_list.flags.f_contiguous and rustws.owner(from_list) is ws
+        m = ws.asarray(_matrix())
+        assert type(m) is np.ndarray and rustws.owner(m) is ws  # np.asarray drops subclasses too
+        with pytest.raises(TypeError, match="Python references"):
+            ws.asarray([object()])
+        with pytest.raises(TypeError, match="Python references"):
+            ws.ones_like(np.array([None, 1]))
+
+
+def test_a_refused_like_allocation_is_the_workspace_error():
+    cfg = rustws.WorkspaceConfiguration(initial_size="64KiB", policy_learning="NONE", policy_spill="FAIL")
+    ws = rustws.workspace("SMALL", cfg)
+    big = np.ma.MaskedArray(np.zeros(1 << 20))
+    with ws, pytest.raises(rustws.WorkspaceOutOfMemory, match="SMALL"):
+        ws.empty_like(big)
+
+
+class OldArrayLike:
+    """An array-like whose ``__array__`` predates NumPy 2's ``copy`` keyword (as PyTorch's
+    tensors' did): NumPy warns when it has to pass ``copy``."""
+
+    def __init__(self):
+        self.data = np.arange(5.0)
+
+    def __array__(self, dtype=None):
+        return self.data if dtype is None else self.data.astype(dtype)
+
+
+def test_no_warning_from_rustws_call_sites_on_old_array_likes():
+    if np.lib.NumpyVersion(np.__version__) >= "2.0.0":
+        with pytest.warns(DeprecationWarning):  # what rustws must not trigger
+            np.array(OldArrayLike(), copy=True)
+    ws = rustws.workspace("OLD", CFG)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ws:
+            for copy in (
+                rustws.detach(OldArrayLike()),
+                rustws.leverage_to("OLD", OldArrayLike()),
+                ws.asarray(OldArrayLike()),
+                ws.empty_like(OldArrayLike()),
+            ):
+                assert copy.shape == (5,)
+
+
+def test_device_workspaces_take_the_same_signatures():
+    from rustws.cuda import _standin_workspace
+
+    ws = _standin_workspace("DEV")
+    try:
+        with ws:
+            f = np.asfortranarray(np.arange(6.0).reshape(2, 3))
+            for got, want in (
+                (ws.ones((2, 3), np.int32), np.ones((2, 3), np.int32)),
+                (ws.ones_like(f), np.ones_like(f)),
+                (ws.full_like(f, 4, np.float32, shape=(3, 2)), np.full_like(f, 4, np.float32, shape=(3, 2))),
+                (ws.zeros_like(f, order="C"), np.zeros_like(f, order="C")),
+                (ws.asarray(f), f),
+            ):
+                assert isinstance(got, rustws.DeviceArray) and got.workspace is ws
+                host = got.to_numpy()
+                assert (host == want).all() and host.dtype == want.dtype
+                assert got._fortran == (want.flags.f_contiguous and not want.flags.c_contiguous)
+            d = ws.asarray(f)
+            assert ws.asarray(d) is d
+    finally:
+        ws.destroy()
