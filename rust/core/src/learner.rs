@@ -59,6 +59,9 @@ pub(crate) struct CycleLearner {
     recent: [usize; NEED_WINDOW],
     /// Whether the arena was sized from what was learned (always for `NONE`).
     pub initialized: bool,
+    /// The adaptive profile's last sizing: the need, the arena it left, and the target it
+    /// computed (cycles that change neither skip the arithmetic).
+    last: (usize, usize, usize),
 }
 
 /// Arena capacity for a need of `need` bytes under the allocation policy and limits.
@@ -116,7 +119,9 @@ impl CycleLearner {
             if !uses_arena {
                 return Sizing::Keep;
             }
-            let target = capacity_for(c, window);
+            let target =
+                if (self.last.0, self.last.1) == (window, current) { self.last.2 } else { capacity_for(c, window) };
+            self.last = (window, current, target);
             // Shrink only well below the current size, so cycles that vary a little never remap.
             let shrink = current > target.saturating_add(target / 10).max(round_to_page(1));
             if target > current || shrink {

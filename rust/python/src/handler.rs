@@ -484,7 +484,9 @@ unsafe extern "C" fn capture_malloc(ctx: *mut c_void, size: usize) -> *mut c_voi
         if c.takes(size) {
             c.shared.alloc(size, false)
         } else {
-            c.settle_if_closed();
+            if !c.state.open.load(Ordering::Relaxed) {
+                c.settle_if_closed();
+            }
             delegate(c.below, size, false)
         }
     })

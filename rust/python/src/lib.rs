@@ -137,8 +137,9 @@ impl WorkspaceCore {
 
     /// Opens a scope of this workspace in this thread's or task's stack: a cycle of its own, or
     /// a level nested in this stack's open cycle.
-    pub(crate) fn enter_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>) -> PyResult<()> {
-        let nested = scope::is_open_here(py, me)?;
+    pub(crate) fn enter_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>) -> PyResult<Arc<scope::ScopeState>> {
+        let task = scope::current_task(py);
+        let nested = scope::is_open_here(py, me, task)?;
         // The guard is dropped before any Python runs: building an exception can run the GC,
         // which may free this workspace's arrays and take the lock again.
         let entered = if nested { self.shared.lock().nest() } else { self.shared.lock().open_cycle() };
@@ -150,7 +151,7 @@ impl WorkspaceCore {
         };
         let installs = self.installs_handler();
         // The node the last `with` of this workspace left here, reopened in place; else a new one.
-        let reopened = if installs { scope::reopen(py, me, !nested).map_err(undo)? } else { None };
+        let reopened = if installs { scope::reopen(py, me, !nested, task).map_err(undo)? } else { None };
         let state = match reopened {
             Some(state) => state,
             None => {
@@ -159,13 +160,62 @@ impl WorkspaceCore {
                 } else {
                     scope::Install::Keep
                 };
-                let state = scope::ScopeState::new(!nested);
+                let state = scope::ScopeState::new(!nested, task);
                 scope::push(py, me, me, how, state.clone()).map_err(undo)?;
                 state
             }
         };
-        self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).push(state);
-        Ok(())
+        self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).push(state.clone());
+        Ok(state)
+    }
+
+    /// The loop form's end of an iteration: closes `state`'s cycle (or nested level) and leaves
+    /// its node in place for the next iteration.
+    pub(crate) fn end_iteration(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        state: &scope::ScopeState,
+    ) -> PyResult<()> {
+        state.close();
+        if self.shared.destroyed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let ended = {
+            let mut ws = self.shared.lock();
+            if state.opened_cycle() {
+                ws.close_cycle()
+            } else {
+                ws.unnest().map(|()| rustws_core::CycleReport::default())
+            }
+        };
+        reclaim(&self.memory);
+        let r = ended.map_err(|e| to_py(py, e))?;
+        self.after_cycle(py, me, r, true)
+    }
+
+    /// The loop form's next iteration in the scope of `state`, reopened in place; false when its
+    /// node is no longer NumPy's current handler here (then a scope is entered anew).
+    pub(crate) fn begin_iteration(&self, py: Python<'_>, state: &scope::ScopeState, top: bool) -> PyResult<bool> {
+        if !top {
+            return Ok(false);
+        }
+        let opened = {
+            let mut ws = self.shared.lock();
+            if state.opened_cycle() {
+                ws.open_cycle()
+            } else {
+                ws.nest()
+            }
+        };
+        opened.map_err(|e| to_py(py, e))?;
+        state.open.store(true, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Drops `state` from the open scopes (its node stays, closed, until settled).
+    pub(crate) fn forget_scope(&self, state: &Arc<scope::ScopeState>) {
+        self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| !Arc::ptr_eq(s, state));
     }
 
     /// Reports refused requests and escaped arrays through `_after_cycle`, when there are any.

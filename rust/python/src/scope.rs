@@ -49,11 +49,19 @@ pub(crate) struct ScopeState {
     pub open: AtomicBool,
     /// Whether it opened a cycle of its workspace (else it nests in one, or borrows).
     cycle: AtomicBool,
+    /// The asyncio task that opened it (its address), or 0 outside any running task: tasks of
+    /// one thread that enter the same workspace run cycles of their own, not nested ones.
+    task: usize,
 }
 
 impl ScopeState {
-    pub fn new(cycle: bool) -> Arc<Self> {
-        Arc::new(ScopeState { thread: thread_ident(), open: AtomicBool::new(true), cycle: AtomicBool::new(cycle) })
+    pub fn new(cycle: bool, task: usize) -> Arc<Self> {
+        Arc::new(ScopeState {
+            thread: thread_ident(),
+            open: AtomicBool::new(true),
+            cycle: AtomicBool::new(cycle),
+            task,
+        })
     }
 
     pub fn opened_cycle(&self) -> bool {
@@ -352,6 +360,37 @@ pub enum Install<'a, 'py> {
     Capture(Arc<Shared>, &'a Bound<'py, PyAny>),
 }
 
+/// The asyncio task running on this thread (its address), or 0: no task runs, or asyncio was
+/// never imported (then none can).
+pub fn current_task(py: Python<'_>) -> usize {
+    static FUNCTIONS: PyOnceLock<Option<(Py<PyAny>, Py<PyAny>)>> = PyOnceLock::new();
+    // SAFETY: the GIL is held (`py`); the interpreter's module dict is borrowed, alive as long as
+    // the interpreter.
+    let modules = unsafe { ffi::PyImport_GetModuleDict() };
+    if modules.is_null() {
+        return 0;
+    }
+    // SAFETY: as above.
+    let modules = unsafe { Bound::from_borrowed_ptr(py, modules) };
+    let Ok(modules) = modules.cast::<pyo3::types::PyDict>() else { return 0 };
+    if !modules.contains(pyo3::intern!(py, "asyncio")).unwrap_or(false) {
+        return 0;
+    }
+    let functions = FUNCTIONS.get_or_init(py, || {
+        let events = py.import("asyncio").ok()?;
+        Some((events.getattr("_get_running_loop").ok()?.unbind(), events.getattr("current_task").ok()?.unbind()))
+    });
+    let Some((running_loop, current_task)) = functions else { return 0 };
+    let Ok(event_loop) = running_loop.bind(py).call0() else { return 0 };
+    if event_loop.is_none() {
+        return 0;
+    }
+    match current_task.bind(py).call1((event_loop,)) {
+        Ok(task) if !task.is_none() => task.as_ptr() as usize,
+        _ => 0,
+    }
+}
+
 pub fn thread_ident() -> u64 {
     // SAFETY: a plain query, callable with or without the GIL.
     unsafe { pyo3::ffi::PyThread_get_thread_ident() as u64 }
@@ -422,16 +461,24 @@ pub fn settle(py: Python<'_>) -> PyResult<()> {
     Ok(())
 }
 
+/// Whether NumPy's current handler here is the node of `state` (the loop form reopens it in
+/// place when nothing replaced it meanwhile).
+pub fn is_top(py: Python<'_>, state: &Arc<ScopeState>) -> PyResult<bool> {
+    let top = current_handler(py)?;
+    Ok(as_node(&top).is_some_and(|n| Arc::ptr_eq(&n.data.state, state)))
+}
+
 /// Reopens the innermost node when it is a closed capturing scope of `key` opened on this
 /// thread (the last `with ws:` of this workspace here): its state, open again, is returned, with
 /// `cycle` recorded; NumPy's handler is already the node's. None otherwise.
-pub fn reopen(py: Python<'_>, key: &Bound<'_, PyAny>, cycle: bool) -> PyResult<Option<Arc<ScopeState>>> {
+pub fn reopen(py: Python<'_>, key: &Bound<'_, PyAny>, cycle: bool, task: usize) -> PyResult<Option<Arc<ScopeState>>> {
     let top = current_handler(py)?;
     let Some(node) = as_node(&top) else { return Ok(None) };
     let state = &node.data.state;
     if !node.key_is(key)
         || node.data.capture.is_none()
         || state.thread != thread_ident()
+        || state.task != task
         || state.open.load(Ordering::Relaxed)
     {
         return Ok(None);
@@ -462,12 +509,12 @@ pub(crate) fn settle_closed(py: Python<'_>, node: *const c_void) {
     }
 }
 
-/// Whether this stack holds an open scope of `key` opened on this thread (a `with ws:` inside
-/// `with ws:` nests in it).
-pub fn is_open_here(py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+/// Whether this stack holds an open scope of `key` opened on this thread, in this asyncio task
+/// (`task`, 0 for none): a `with ws:` inside `with ws:` nests in it.
+pub fn is_open_here(py: Python<'_>, key: &Bound<'_, PyAny>, task: usize) -> PyResult<bool> {
     let mut cursor = current_handler(py)?;
     while let Some(node) = as_node(&cursor) {
-        if node.key_is(key) && node.is_here() {
+        if node.key_is(key) && node.is_here() && node.data.state.task == task {
             return Ok(true);
         }
         let next = node.below();
@@ -624,7 +671,7 @@ impl Scope {
             (true, Some(h), Some(ws)) if ws.get().installs_handler() => Install::Capture(ws.get().shared.clone(), h),
             (true, Some(_), _) => Install::Keep,
         };
-        let state = ScopeState::new(false);
+        let state = ScopeState::new(false, 0);
         push(py, owner, slf.as_any(), how, state.clone())?;
         me.open.lock().unwrap_or_else(|e| e.into_inner()).push(state);
         Ok(owner.clone())

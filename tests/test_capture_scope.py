@@ -1,0 +1,236 @@
+"""Capture is confined to the scope that opened it: the thread (or asyncio task) that entered it,
+while it is open. Copied contexts on other threads, contexts run after the scope closed, and
+scopes closed from elsewhere (a generator finalised on another thread, a task destroyed while
+pending) capture nothing. Concurrent tasks on one workspace each run a cycle of their own. The loop
+form ``ws.cycles()`` makes each iteration one cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import gc
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import rustws
+from rustws import WorkspaceConfiguration, _rustws
+
+MiB = 1 << 20
+BIG = 4096  # float64 elements: 32 KB, above any helper_min_size used here
+
+
+def cfg(**kw):
+    return WorkspaceConfiguration(**{"initial_size": 4 * MiB, **kw})
+
+
+def allocate():
+    """A captured-sized array made here, and who serves it (None: NumPy's own allocator)."""
+    a = np.ones(BIG) * 2
+    return rustws.owner(a), rustws.current_workspace()
+
+
+@pytest.mark.parametrize("run", ["pool", "to_thread", "copy_context_thread"])
+def test_a_context_copied_into_another_thread_captures_nothing_there(run):
+    ws = rustws.workspace("COPY", cfg())
+    with ws:
+        assert allocate() == (ws, ws)
+        if run == "pool":
+            # A pool submits with a copy of the caller's context (as dask's threaded scheduler
+            # and concurrent.futures users do with contextvars.copy_context()).
+            ctx = contextvars.copy_context()
+            with ThreadPoolExecutor(1) as pool:
+                there = pool.submit(ctx.run, allocate).result()
+        elif run == "to_thread":
+
+            async def main():
+                return await asyncio.to_thread(allocate)
+
+            there = asyncio.run(main())
+        else:
+            ctx = contextvars.copy_context()
+            out = []
+            t = threading.Thread(target=lambda: out.append(ctx.run(allocate)))
+            t.start()
+            t.join()
+            there = out[0]
+        assert there == (None, None), "the other thread's allocations came from this thread's workspace"
+        assert allocate() == (ws, ws)
+    s = ws.stats()
+    assert s.cycles == 1 and s.spill_count == 0
+
+
+def test_a_context_copied_inside_a_cycle_captures_nothing_once_it_closed():
+    ws = rustws.workspace("LATER", cfg())
+    with ws:
+        ctx = contextvars.copy_context()
+    assert ctx.run(allocate) == (None, None)
+    ws.destroy()
+    assert ctx.run(allocate) == (None, None)
+
+
+def test_concurrent_tasks_on_one_workspace_each_run_a_cycle():
+    ws = rustws.workspace("SERVER", cfg())
+    caps = []
+
+    async def request(i):
+        with ws:
+            a = np.ones(BIG) * i
+            assert rustws.owner(a) is ws
+            await asyncio.sleep(0)  # other requests enter meanwhile
+            assert (a == i).all()
+            del a
+
+    async def main():
+        await asyncio.gather(*(request(i) for i in range(200)))
+        caps.append(ws.stats())
+
+    asyncio.run(main())
+    s = caps[0]
+    assert s.cycles == 200, "each task's outermost with is a cycle of its own"
+    assert not ws.is_open and ws.depth == 0
+    assert s.used_bytes == 0
+    # Nothing was live after the last task: the arena rewound, and the next cycle starts at its
+    # beginning.
+    with ws:
+        first = np.ones(BIG)
+    with ws:
+        again = np.ones(BIG)
+        assert again.ctypes.data == first.ctypes.data or rustws.owner(again) is ws
+
+
+def test_nested_with_in_one_task_nests_and_other_tasks_do_not():
+    ws = rustws.workspace("NEST", cfg())
+
+    async def inner():
+        with ws:
+            return ws.depth
+
+    async def main():
+        with ws:
+            with ws:
+                depth_nested = ws.depth
+            depth_other = await asyncio.create_task(inner())
+        return depth_nested, depth_other
+
+    nested, other = asyncio.run(main())
+    assert nested == 2 and other == 2  # the other task's cycle sits beside this one
+    assert ws.stats().cycles == 2 and ws.depth == 0
+
+
+def test_a_generator_finalised_on_another_thread_closes_its_scope():
+    ws = rustws.workspace("GEN", cfg())
+
+    def produce():
+        with ws:
+            yield np.ones(BIG)
+
+    g = produce()
+    next(g)
+    assert allocate() == (ws, ws)
+    errors = []
+
+    def finalise():
+        try:
+            g.close()
+        except rustws.ScopeError as e:  # pragma: no cover - close() reports errors, not raises
+            errors.append(e)
+
+    t = threading.Thread(target=finalise)
+    t.start()
+    t.join()
+    # Closing the generator there exited the scope there: it is closed, here too.
+    assert not ws.is_open and ws.depth == 0
+    assert allocate() == (None, None), "the workspace kept capturing on its thread"
+    rustws.destroy_all_workspaces_for_current_thread()
+    assert _rustws.get_handler() is _rustws.effective_handler()
+
+
+# The coroutine's exit raises ScopeError where it runs (outside the task), which nobody can catch.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_task_destroyed_while_pending_closes_its_cycle():
+    ws = rustws.workspace("ORPHAN", cfg())
+    started = []
+
+    async def stuck():
+        with ws:
+            started.append(np.ones(BIG))
+            await asyncio.Event().wait()  # never set
+
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(stuck())
+        loop.run_until_complete(asyncio.sleep(0.01))
+    finally:
+        loop.close()  # the task is still pending
+    assert started and ws.is_open
+    del task  # the task and its coroutine are collected; the coroutine's exit closes the scope
+    for _ in range(3):
+        gc.collect()
+    assert not ws.is_open, "the destroyed task left the workspace open"
+    before = ws.stats().cycles
+    for _ in range(5):
+        with ws:
+            np.ones(BIG)
+    assert ws.stats().cycles == before + 5
+
+
+def test_switching_capture_off_acts_inside_the_open_cycle():
+    ws = rustws.workspace("SWITCH", cfg())
+    with ws:
+        assert allocate()[0] is ws
+        ws.capture = False
+        assert allocate()[0] is None
+        ws.capture = True
+    assert ws.capture
+
+
+def test_looking_a_workspace_up_keeps_capture_off():
+    ws = rustws.workspace("OFF", cfg(), capture=False)
+    assert rustws.workspace("OFF") is ws and not ws.capture
+    with ws:
+        assert allocate()[0] is None
+    assert rustws.workspace("OFF", capture=True).capture
+
+
+def test_the_loop_form_makes_each_iteration_a_cycle():
+    ws = rustws.workspace("LOOP", cfg())
+    seen = []
+    for i in ws.cycles(range(5)):
+        a = np.ones(BIG) * i
+        assert rustws.owner(a) is ws and rustws.current_workspace() is ws
+        seen.append((i, ws.stats().cycles))
+        del a
+    assert seen == [(i, i) for i in range(5)]
+    assert ws.stats().cycles == 5 and not ws.is_open
+    assert rustws.current_workspace() is None and allocate() == (None, None)
+
+
+def test_leaving_the_loop_form_by_break_or_exception_closes_the_cycle():
+    ws = rustws.workspace("BREAK", cfg())
+    for i in ws.cycles(range(100)):
+        if i == 2:
+            break
+    assert not ws.is_open and ws.stats().cycles == 3
+    assert allocate() == (None, None)
+    with pytest.raises(ZeroDivisionError):
+        for i in ws.cycles(range(100)):
+            if i == 1:
+                1 / 0  # noqa: B018
+    assert not ws.is_open and ws.stats().cycles == 5
+    with pytest.raises(KeyError):
+        for _ in ws.cycles({}.__getitem__(k) for k in [1]):  # the iterable itself raises
+            pass
+    assert not ws.is_open and allocate() == (None, None)
+
+
+def test_the_loop_form_nests_in_an_open_cycle_of_another_workspace():
+    outer = rustws.workspace("OUTER", cfg())
+    inner = rustws.workspace("INNER", cfg())
+    with outer:
+        for _ in inner.cycles(range(3)):
+            assert allocate()[0] is inner
+        assert allocate()[0] is outer
+    assert inner.stats().cycles == 3 and outer.stats().cycles == 1
