@@ -51,6 +51,14 @@ WORKLOADS: dict[str, tuple[str, int | None, int, int]] = {
         60,
     ),
     "W6-warmup": ("an empty first cycle, then 3 temporaries of 64 float32 per cycle", 256, 20000, 4000),
+    "W7-keep": (
+        "results.append(f(x)) per cycle: 160 KB temporaries, an 80 KB result kept, 1 thread",
+        None,
+        3000,
+        600,
+    ),
+    "W7-pool4": ("W7 on a pool of 4 threads, each with its own workspace", None, 3000, 600),
+    "W8-state": ("a step of 8 MB float32 temporaries with a state that escapes each cycle", 8 << 20, 60, 15),
     "SKLEARN-fit": (
         "scikit-learn MLPClassifier((512, 512), batch 4000, 4 epochs) on 16000x256, fit in one cycle",
         None,
@@ -64,10 +72,25 @@ WORKLOADS: dict[str, tuple[str, int | None, int, int]] = {
         2,
     ),
 }
-FAMILIES = ("W1", "W2", "W3", "W4", "W5", "W6", "SKLEARN", "SPARSE")
+FAMILIES = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "SKLEARN", "SPARSE")
 # Workloads with a hand-written no-allocation version (the limit).
-WITH_LIMIT = ("W1", "W2", "W3", "W4")
+WITH_LIMIT = ("W1", "W2", "W3", "W4", "W8")
+# Steps timed together: the median is over chunks of this many (a cycle's own cost falls between
+# steps, so each chunk times whole cycles).
+CHUNKS = 20
 WARMUP = 3
+
+
+def _vm_peak_kib() -> int:
+    """This process's peak address space in KiB (``VmPeak``), 0 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmPeak:"):
+                    return int(line.split()[1])
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return 0
 
 
 def _faults() -> int:
@@ -162,6 +185,35 @@ def _first_cycle_workload(family: str, ws: Any, steps: int) -> tuple[Any, int, i
     return run_sparse, 1, steps
 
 
+def _keep_results(ws: Any, steps: int) -> list[np.ndarray]:
+    """W7's loop, as a user writes it: each cycle keeps one result."""
+    res = []
+    k = np.float64(1.0)
+    cycles = ws.cycles(range(steps)) if ws is not None else range(steps)
+    for _ in cycles:
+        a = np.ones(20000) * k
+        res.append(a[::2].copy() + 0)
+        k += 1
+    return res
+
+
+def _loop(ws: Any, body: Any) -> Any:
+    """``loop(k)``: k steps of ``body``, each step one cycle of ``ws`` (the loop form), or plain."""
+    if ws is None:
+
+        def plain(k: int) -> None:
+            for _ in range(k):
+                body()
+
+        return plain
+
+    def cycles(k: int) -> None:
+        for _ in ws.cycles(range(k)):
+            body()
+
+    return cycles
+
+
 def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
     """Runs one workload in this process and returns its measurements."""
     import rustws
@@ -171,14 +223,48 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
     # Whatever the workload, the interpreter and NumPy's ufunc machinery are warm before timing.
     _w1_body(np.ones(16, np.float32), np.ones(16, np.float32))
     ws = rustws.workspace("BENCH") if variant == "rustws" else None
-    times: list[float] = []
-    warmup = WARMUP
     extra: dict[str, Any] = {}
+    if family == "W7":
+        threads = 4 if workload.endswith("pool4") else 1
+        f0, s0 = _faults(), _system_s()
+        t0 = time.perf_counter()
+        if threads == 1:
+            kept = _keep_results(ws, steps)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            def work(n: int) -> list[np.ndarray]:
+                own = rustws.workspace("BENCH") if variant == "rustws" else None
+                return _keep_results(own, n)
+
+            with ThreadPoolExecutor(threads) as pool:
+                kept = [r for part in pool.map(work, [steps // threads] * threads) for r in part]
+        elapsed = time.perf_counter() - t0
+        out: dict[str, Any] = {
+            "step_s": elapsed / steps,
+            "faults_per_step": (_faults() - f0) / steps,
+            "system_s_per_step": (_system_s() - s0) / steps,
+            "peak_rss_kib": peak_rss_kib(),
+            "vm_peak_kib": _vm_peak_kib(),
+            "kept": len(kept),
+        }
+        if ws is not None:
+            out["stats"] = ws.stats().as_dict()
+        return out
+    warmup = WARMUP
     repeat = steps
+    per_call = 1
+    loop: Any
     if family in ("W5", "SKLEARN", "SPARSE"):
         # First cycles on a fresh workspace: no warm-up; W5 and the fit are one cycle each.
         run, per_call, repeat = _first_cycle_workload(family, ws, steps)
         warmup = 0
+
+        def first(k: int) -> None:
+            for _ in range(k):
+                run()
+
+        loop = first
     elif family in ("W1", "W2", "W4", "W6"):
         assert nbytes is not None
         n = nbytes // 4
@@ -191,35 +277,54 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
                 np.multiply(x, w, out=bufs[0])
                 np.add(bufs[0], 1, out=bufs[1])
                 np.tanh(bufs[1], out=bufs[2])
-            elif ws is not None and family != "W4":
-                with ws:
-                    _w1_body(x, w)
             else:
                 _w1_body(x, w)
 
         if family == "W4":
             inner = 100
+            per_call = inner
 
-            def outer() -> None:
-                if ws is not None:
-                    with ws:
+            def outer(k: int) -> None:
+                for _ in range(k):
+                    if ws is not None:
+                        with ws:
+                            for _ in range(inner):
+                                step()
+                    else:
                         for _ in range(inner):
                             step()
-                else:
-                    for _ in range(inner):
-                        step()
 
-            run, per_call = outer, inner
+            loop = outer
         else:
-            run, per_call = step, 1
+            loop = _loop(ws, step)
         if family == "W6" and ws is not None:
             # The warm-up a user writes: a first cycle that allocates nothing.
             with ws:
                 pass
-            for _ in range(3):
-                run()
+            loop(3)
             extra["spills_after_cycle_3"] = ws.stats().spill_count
             warmup = 0
+    elif family == "W8":
+        assert nbytes is not None
+        n = nbytes // 4
+        x = np.random.default_rng(0).random(n, dtype=np.float32)
+        half, quarter = np.float32(0.5), np.float32(0.25)
+        st = {"s": np.zeros(n, np.float32), "spare": np.empty(n, np.float32)}
+        t, u, v = (np.empty(n, np.float32) for _ in range(3)) if variant == "limit" else (None, None, None)
+
+        def w8() -> None:
+            if variant == "limit":
+                np.multiply(x, half, out=t)
+                np.add(t, st["s"], out=u)
+                np.tanh(u, out=u)
+                np.multiply(t, quarter, out=v)
+                np.subtract(u, v, out=st["spare"])
+                st["s"], st["spare"] = st["spare"], st["s"]
+            else:
+                tt = x * half
+                st["s"] = np.tanh(tt + st["s"]) - tt * quarter
+
+        loop = _loop(ws, w8)
     else:  # W3
         rng = np.random.default_rng(0)
         X = rng.standard_normal((4096, 1024), dtype=np.float32)
@@ -228,7 +333,7 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
         state = {"w": np.zeros(1024, np.float32), "spare": np.empty(1024, np.float32)}
         r, g = np.empty(4096, np.float32), np.empty(1024, np.float32)
 
-        def run() -> None:
+        def sgd() -> None:
             if variant == "limit":
                 np.matmul(X, state["w"], out=r)
                 np.subtract(r, y, out=r)
@@ -236,35 +341,36 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
                 np.multiply(g, lr / m, out=g)
                 np.subtract(state["w"], g, out=state["spare"])
                 state["w"], state["spare"] = state["spare"], state["w"]
-            elif ws is not None:
-                with ws:
-                    w = state["w"]
-                    state["w"] = w - lr * (X.T @ (X @ w - y)) / m
             else:
                 w = state["w"]
                 state["w"] = w - lr * (X.T @ (X @ w - y)) / m
 
-        per_call = 1
-    for _ in range(warmup):
-        run()
+        loop = _loop(ws, sgd)
+    loop(warmup)
+    chunk = max(1, repeat // CHUNKS)
+    times: list[float] = []
     f0, s0 = _faults(), _system_s()
-    for _ in range(repeat):
+    done = 0
+    while done < repeat:
+        k = min(chunk, repeat - done)
         t0 = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - t0) / per_call)
-    n = repeat * per_call
-    out: dict[str, Any] = {
+        loop(k)
+        times.append((time.perf_counter() - t0) / (k * per_call))
+        done += k
+    n_steps = repeat * per_call
+    result: dict[str, Any] = {
         "step_s": statistics.median(times),
-        "faults_per_step": (_faults() - f0) / n,
-        "system_s_per_step": (_system_s() - s0) / n,
+        "faults_per_step": (_faults() - f0) / n_steps,
+        "system_s_per_step": (_system_s() - s0) / n_steps,
         "peak_rss_kib": peak_rss_kib(),
+        "vm_peak_kib": _vm_peak_kib(),
         **extra,
     }
     if ws is not None:
-        out["stats"] = ws.stats().as_dict()
+        result["stats"] = ws.stats().as_dict()
         if "spills_after_cycle_3" in extra:
-            out["spills_after_cycle_3"] = out["stats"]["spill_count"] - extra["spills_after_cycle_3"]
-    return out
+            result["spills_after_cycle_3"] = result["stats"]["spill_count"] - extra["spills_after_cycle_3"]
+    return result
 
 
 def _find_lib(name: str) -> str | None:
@@ -352,8 +458,8 @@ def run_bench(
         for v in variants_of(n):
             runs = raw[n][v]
             summary[n][v] = {
-                key: statistics.median(r[key] for r in runs)
-                for key in ("step_s", "faults_per_step", "system_s_per_step", "peak_rss_kib")
+                key: statistics.median(r.get(key, 0) for r in runs)
+                for key in ("step_s", "faults_per_step", "system_s_per_step", "peak_rss_kib", "vm_peak_kib")
             }
             if v == "rustws":
                 summary[n][v]["spills"] = statistics.median(r["stats"]["spill_count"] for r in runs)
@@ -366,7 +472,7 @@ def run_bench(
         print(f"\n{n}: {WORKLOADS[n][0]}")
         print(
             f"  {'variant':10}{'step':>12}{'t/limit':>10}{'t/numpy':>10}{'faults/step':>13}"
-            f"{'sys/step':>12}{'peak RSS':>12}{'RSS/numpy':>10}"
+            f"{'sys/step':>12}{'peak RSS':>12}{'RSS/numpy':>10}{'VM peak':>11}"
         )
         for v in variants_of(n):
             r = s[v]
@@ -375,6 +481,7 @@ def run_bench(
                 f"  {v:10}{_fmt_time(r['step_s']):>12}{vs_limit}{r['step_s'] / base['step_s']:>9.2f}x"
                 f"{r['faults_per_step']:>13.1f}{_fmt_time(r['system_s_per_step']):>12}"
                 f"{r['peak_rss_kib'] / 1024:>8.1f} MiB{r['peak_rss_kib'] / base['peak_rss_kib']:>9.2f}x"
+                f"{r['vm_peak_kib'] / 1048576:>7.2f} GiB"
             )
         rw = s["rustws"]
         print(f"  rustws spills: {rw['spills']:.0f}", end="")
@@ -389,6 +496,9 @@ def run_bench(
                     "rustws", s["rustws"]["step_s"], f"best peer ({best_peer})", s[best_peer]["step_s"]
                 )
             )
+        best = min((v for v in s if v in PEERS or v == "numpy"), key=lambda v: s[v]["step_s"])
+        best_text = ratio_text("rustws", s["rustws"]["step_s"], f"best allocator ({best})", s[best]["step_s"])
+        print("  " + best_text)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump({"summary": summary, "raw": raw, "repeats": reps, "quick": quick}, f, indent=1)
