@@ -1,8 +1,10 @@
 //! Allocation + free in the core against bumpalo and the system allocator, on the same program:
 //! 1000 allocations of sizes from 64 B to 4 MiB (log-uniform, fixed seed), all freed, then a cycle
-//! reset. Also: the cost of one allocation with 10 to 1,000,000 live (pinned) blocks in the
-//! workspace, and aggregate throughput of 1 and 2 threads each allocating in its own workspace.
-//! Throughput is reported per allocation (`Elements`). See `benches/README.md` for the figures.
+//! reset. Also: one allocation and its free on a reuse hit (the block freed just before, of the
+//! same class, handed out again), the cost of one allocation with 10 to 1,000,000 live (pinned)
+//! blocks in the workspace, and aggregate throughput of 1 and 2 threads each allocating in its own
+//! workspace. Throughput is reported per allocation (`Elements`). See `benches/README.md` for the
+//! figures.
 
 use std::alloc::{alloc, dealloc, Layout};
 use std::hint::black_box;
@@ -92,6 +94,51 @@ fn program(c: &mut Criterion) {
     g.finish();
 }
 
+/// One allocation and its free where the block comes back from the free list of its class: a
+/// temporary freed and the next one of its size, as a loop body makes them. The block kept live
+/// beside it keeps the freed one off the hole's end (where the bump cursor would take it back).
+fn reuse_hit(c: &mut Criterion) {
+    let mut g = c.benchmark_group("reuse_hit");
+    g.throughput(Throughput::Elements(PER_CYCLE as u64));
+    g.measurement_time(Duration::from_secs(3));
+    for size in [256usize, 4096, 1 << 20] {
+        let config = WorkspaceConfiguration {
+            initial_size: 64 << 20,
+            policy_learning: LearningPolicy::None,
+            ..Default::default()
+        };
+        let mut ws = Workspace::new("reuse", config).unwrap();
+        ws.enter().unwrap();
+        let first = ws.alloc(size).unwrap();
+        let beside = ws.alloc(size).unwrap();
+        // SAFETY: live, freed once: from here on `first`'s block is on its class's list.
+        unsafe { ws.free(first) };
+        g.bench_with_input(BenchmarkId::from_parameter(size), &size, |b, &size| {
+            b.iter(|| {
+                for _ in 0..PER_CYCLE {
+                    let p = ws.alloc(black_box(size)).unwrap();
+                    // SAFETY: live, freed once.
+                    unsafe { ws.free(black_box(p)) };
+                }
+            })
+        });
+        assert_eq!(ws.stats().spill_count, 0);
+        // SAFETY: live, freed once.
+        unsafe { ws.free(beside) };
+        ws.exit().unwrap();
+    }
+    let mut bump = bumpalo::Bump::new();
+    g.bench_function("bumpalo", |b| {
+        b.iter(|| {
+            for _ in 0..PER_CYCLE {
+                black_box(bump.alloc_layout(Layout::from_size_align(black_box(256), 64).unwrap()));
+            }
+            bump.reset();
+        })
+    });
+    g.finish();
+}
+
 /// One allocation + free with `live` blocks pinned in the same workspace.
 fn live_blocks(c: &mut Criterion) {
     let mut g = c.benchmark_group("alloc_free_with_live_blocks");
@@ -174,5 +221,5 @@ fn threads(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, program, live_blocks, threads);
+criterion_group!(benches, program, reuse_hit, live_blocks, threads);
 criterion_main!(benches);

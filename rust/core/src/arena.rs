@@ -34,9 +34,14 @@ pub(crate) const MAGIC_FREE: u32 = 0x5257_5346; // "RWSF"
 /// Free and on a free list: `region` holds the lists' epoch, `requested` the next block's offset
 /// and `generation` the previous one's (see [`FreeLists`]).
 const MAGIC_LISTED: u32 = 0x5257_5345; // "RWSE"
+/// Free and in its class's hot slot (see [`FreeLists`]).
+const MAGIC_HOT: u32 = 0x5257_5348; // "RWSH"
 
 /// No block (the end of a free list).
 const NONE: usize = usize::MAX;
+
+/// The class of a block that has none (not carved from an arena).
+pub const NO_CLASS: u16 = u16::MAX;
 
 /// Larger classes a request may take a listed block of, when its own list is empty.
 const CLASS_SLACK: usize = 4;
@@ -66,6 +71,8 @@ pub enum BlockKind {
 pub struct BlockHeader {
     pub magic: u32,
     pub kind: BlockKind,
+    /// The size class of an arena block ([`NO_CLASS`] for other blocks).
+    pub class: u16,
     /// Id of the region holding an arena block.
     pub region: u32,
     /// The token of the workspace that handed the block out ([`crate::Workspace::token`]).
@@ -83,7 +90,7 @@ const _: () = assert!(std::mem::size_of::<BlockHeader>() == HEADER);
 impl BlockHeader {
     /// The header of a block just handed out by the workspace `owner`.
     pub fn live(kind: BlockKind, owner: u64, region: u32, slot: usize, requested: usize, generation: u64) -> Self {
-        BlockHeader { magic: MAGIC_LIVE, kind, region, owner, slot, requested, generation }
+        BlockHeader { magic: MAGIC_LIVE, kind, class: NO_CLASS, region, owner, slot, requested, generation }
     }
 
     pub fn is_live(&self) -> bool {
@@ -97,23 +104,39 @@ impl BlockHeader {
 /// under an older one an ordinary free header.
 #[derive(Debug)]
 struct FreeLists {
+    /// Each class's most recently freed block, kept out of the list: a temporary freed and the
+    /// next one of its size (the loop body's common case) cost one store each way, no linking.
+    hot: [usize; CLASSES],
+    /// The classes whose hot slot may hold a block (a superset: cleared in bulk).
+    hot_set: ClassSet,
     heads: [usize; CLASSES],
     nonempty: ClassSet,
     epoch: u32,
-    /// Slot bytes of the listed blocks.
+    /// Slot bytes of the blocks in hot slots and on the lists.
     bytes: usize,
 }
 
 impl FreeLists {
     fn new() -> Box<Self> {
-        Box::new(FreeLists { heads: [NONE; CLASSES], nonempty: ClassSet::default(), epoch: 1, bytes: 0 })
+        Box::new(FreeLists {
+            hot: [NONE; CLASSES],
+            hot_set: ClassSet::default(),
+            heads: [NONE; CLASSES],
+            nonempty: ClassSet::default(),
+            epoch: 1,
+            bytes: 0,
+        })
     }
 
     fn clear(&mut self) {
         for c in self.nonempty.iter_desc() {
             self.heads[c] = NONE;
         }
+        for c in self.hot_set.iter_desc() {
+            self.hot[c] = NONE;
+        }
         self.nonempty.clear();
+        self.hot_set.clear();
         self.epoch = self.epoch.wrapping_add(1);
         self.bytes = 0;
     }
@@ -353,6 +376,7 @@ impl ArenaRegion {
             self.meta.as_ptr().add(off).cast::<BlockHeader>().write(BlockHeader {
                 magic: MAGIC_FREE,
                 kind: BlockKind::Arena,
+                class: NO_CLASS,
                 region: self.id,
                 owner: self.owner,
                 slot,
@@ -362,26 +386,74 @@ impl ArenaRegion {
         };
     }
 
-    /// Carves a block for a request of class `class` (slot `slot`, header included) and returns
-    /// the offset of its header and its slot: a freed block of the class when one is listed
-    /// (the most recently freed), else from the hole, else a listed block a few classes larger,
-    /// else from a run found by the walk.
-    #[inline]
-    pub fn carve(&mut self, class: usize, slot: usize) -> Option<(usize, usize)> {
+    /// Hands out a block for a request of `requested` bytes of class `class` (slot `slot`,
+    /// header included): the class's most recently freed block (its hot slot, then its list),
+    /// else from the hole, else a listed block a few classes larger, else from a run found by the
+    /// walk. Returns the data pointer, the block's slot, and the offset of its header.
+    #[inline(always)]
+    pub fn take(
+        &mut self,
+        class: usize,
+        slot: usize,
+        requested: usize,
+        generation: u64,
+    ) -> Option<(NonNull<u8>, usize, usize)> {
         debug_assert!(slot % BLOCK_ALIGN == 0 && slot >= HEADER && slot == class_size(class) + HEADER);
-        if let Some(l) = self.lists.as_deref() {
-            if l.nonempty.contains(class) {
-                let off = l.heads[class];
-                self.unlist(off, class);
-                return Some((off, slot));
+        if let Some(l) = self.lists.as_deref_mut() {
+            let hot = l.hot[class];
+            if hot != NONE {
+                l.hot[class] = NONE;
+                l.bytes -= slot;
+                return Some(self.reuse(hot, slot, requested, generation));
             }
         }
-        if self.limit - self.cursor >= slot {
+        if self.limit - self.cursor >= slot && !self.lists.as_deref().is_some_and(|l| l.nonempty.contains(class)) {
             let off = self.cursor;
             self.cursor = off + slot;
-            return Some((off, slot));
+            // SAFETY: `[off, off+slot)` was just carved for this slot.
+            return Some((unsafe { self.hand_out(off, slot, requested, generation) }, slot, off));
         }
-        self.carve_slow(class, slot)
+        self.take_slow(class, slot, requested, generation)
+    }
+
+    /// A free block of this region coming back as it was handed out before: only what changes
+    /// is written.
+    #[inline(always)]
+    fn reuse(&mut self, off: usize, slot: usize, requested: usize, generation: u64) -> (NonNull<u8>, usize, usize) {
+        let id = self.id;
+        let h = self.header_mut(off);
+        h.magic = MAGIC_LIVE;
+        h.region = id;
+        h.requested = requested;
+        h.generation = generation;
+        self.live_blocks += 1;
+        // SAFETY: a block of this region, inside the mapping.
+        (unsafe { self.data.add(off + HEADER) }, slot, off)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn take_slow(
+        &mut self,
+        class: usize,
+        slot: usize,
+        requested: usize,
+        generation: u64,
+    ) -> Option<(NonNull<u8>, usize, usize)> {
+        if self.lists.as_deref().is_some_and(|l| l.nonempty.contains(class)) {
+            let off = self.lists.as_deref().expect("lists").heads[class];
+            self.unlist(off, class);
+            return Some(self.reuse(off, slot, requested, generation));
+        }
+        let (off, slot) = if self.limit - self.cursor >= slot {
+            let off = self.cursor;
+            self.cursor = off + slot;
+            (off, slot)
+        } else {
+            self.carve_slow(class, slot)?
+        };
+        // SAFETY: `[off, off+slot)` was just carved for this slot.
+        Some((unsafe { self.hand_out(off, slot, requested, generation) }, slot, off))
     }
 
     #[cold]
@@ -401,9 +473,46 @@ impl ArenaRegion {
         Some((off, slot))
     }
 
+    /// Keeps the block at `off`, just freed, for the next request of its class: in the class's
+    /// hot slot when it is empty, else on the list.
+    #[inline(always)]
+    fn keep(&mut self, off: usize, slot: usize, class: usize) {
+        let Some(l) = self.lists.as_deref_mut() else { return };
+        if l.hot[class] == NONE {
+            l.hot[class] = off;
+            l.hot_set.insert(class);
+            l.bytes += slot;
+            self.header_mut(off).magic = MAGIC_HOT;
+            return;
+        }
+        self.list_cold(off, slot, class);
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn list_cold(&mut self, off: usize, slot: usize, class: usize) {
+        self.list(off, slot, class);
+    }
+
+    /// Moves the blocks of the hot slots onto the lists (before a walk, which takes listed blocks
+    /// out of their lists as it merges them).
+    fn flush_hot(&mut self) {
+        let Some(l) = self.lists.as_deref_mut() else { return };
+        let set = std::mem::take(&mut l.hot_set);
+        for c in set.iter_desc() {
+            let Some(l) = self.lists.as_deref_mut() else { return };
+            let off = std::mem::replace(&mut l.hot[c], NONE);
+            if off != NONE {
+                let slot = class_size(c) + HEADER;
+                l.bytes -= slot;
+                self.list(off, slot, c);
+            }
+        }
+    }
+
     /// Puts the free block at `off` (its header already says free) on the list of its class.
-    fn list(&mut self, off: usize, slot: usize) {
-        let class = slot_class(slot);
+    #[inline]
+    fn list(&mut self, off: usize, slot: usize, class: usize) {
         let Some(l) = self.lists.as_deref_mut() else { return };
         let head = if l.nonempty.contains(class) { l.heads[class] } else { NONE };
         let epoch = l.epoch;
@@ -420,8 +529,10 @@ impl ArenaRegion {
         h.generation = NONE as u64;
     }
 
-    /// Takes the listed block at `off` (of class `class`) off its list; its header then says free.
-    fn unlist(&mut self, off: usize, class: usize) {
+    /// Takes the listed block at `off` (of class `class`) off its list; its header then says free,
+    /// and is returned for the caller to rewrite.
+    #[inline]
+    fn unlist(&mut self, off: usize, class: usize) -> &mut BlockHeader {
         let (next, prev, slot) = {
             let h = self.header_at(off);
             (h.requested, h.generation as usize, h.slot)
@@ -440,7 +551,9 @@ impl ArenaRegion {
             }
         }
         l.bytes -= slot;
-        self.header_mut(off).magic = MAGIC_FREE;
+        let h = self.header_mut(off);
+        h.magic = MAGIC_FREE;
+        h
     }
 
     /// Whether the free header at `off` is on a list now (listed under the current epoch).
@@ -465,6 +578,7 @@ impl ArenaRegion {
         // mapping; offsets are multiples of 64 from 64-aligned bases; headers go to `meta`.
         unsafe {
             write_live_header(self.meta.add(off), BlockKind::Arena, self.owner, self.id, slot, requested, generation);
+            (*self.meta.add(off).cast::<BlockHeader>().as_ptr()).class = slot_class(slot) as u16;
             self.data.add(off + HEADER)
         }
     }
@@ -523,6 +637,7 @@ impl ArenaRegion {
     /// freed memory behind the walk was searched: address-ordered reuse keeps what a long cycle
     /// makes resident close to what it keeps live.
     fn find_hole(&mut self, need: usize) -> bool {
+        self.flush_hot();
         let was_tail = self.tail;
         let resume = if was_tail { self.cursor } else { self.limit };
         self.close_hole();
@@ -615,13 +730,14 @@ impl ArenaRegion {
     /// # Safety
     /// `header` points to the live header of a block this region handed out, and no reference
     /// to that header is alive.
+    #[inline(always)]
     pub unsafe fn release(&mut self, header: NonNull<BlockHeader>) {
         // SAFETY: the caller guarantees a live header of this region, not otherwise borrowed;
         // the region's mapping (and so the header) outlives this call.
         let h = unsafe { &mut *header.as_ptr() };
         debug_assert!(h.is_live() && h.region == self.id);
         let off = (header.as_ptr() as usize) - self.meta.as_ptr() as usize;
-        let slot = h.slot;
+        let (slot, class) = (h.slot, h.class as usize);
         self.live_blocks -= 1;
         h.magic = MAGIC_FREE;
         self.live_prefix = self.live_prefix.min(off);
@@ -633,7 +749,7 @@ impl ArenaRegion {
             self.cursor = off;
         } else {
             self.freed_since_scan += slot;
-            self.list(off, slot);
+            self.keep(off, slot, class);
         }
     }
 
@@ -675,7 +791,7 @@ impl ArenaRegion {
             }
             let h = self.header_at(pos);
             assert!(self.plausible(pos, h), "corrupt chain at {pos}");
-            assert!([MAGIC_LIVE, MAGIC_FREE, MAGIC_LISTED].contains(&h.magic), "bad magic at {pos}");
+            assert!([MAGIC_LIVE, MAGIC_FREE, MAGIC_LISTED, MAGIC_HOT].contains(&h.magic), "bad magic at {pos}");
             if pos < self.live_prefix {
                 assert!(h.is_live(), "free block at {pos} inside the live prefix {}", self.live_prefix);
             }
@@ -683,7 +799,7 @@ impl ArenaRegion {
                 live += 1;
                 bytes += h.slot;
             }
-            if self.is_listed(pos) {
+            if self.is_listed(pos) || h.magic == MAGIC_HOT {
                 listed += h.slot;
             }
             pos += h.slot;
@@ -702,6 +818,14 @@ impl ArenaRegion {
                     assert_eq!(h.generation as usize, prev, "block {at}: broken back link");
                     on_lists += h.slot;
                     (prev, at) = (at, h.requested);
+                }
+            }
+            for c in 0..CLASSES {
+                if l.hot[c] != NONE {
+                    assert!(l.hot_set.contains(c), "class {c}: a hot block outside the hot set");
+                    let h = self.header_at(l.hot[c]);
+                    assert!(h.magic == MAGIC_HOT && slot_class(h.slot) == c, "class {c}: a bad hot block");
+                    on_lists += h.slot;
                 }
             }
             assert_eq!(on_lists, listed, "listed blocks in the chain and on the lists disagree");

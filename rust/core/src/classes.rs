@@ -34,6 +34,10 @@ pub fn class_of(size: usize) -> Option<usize> {
 /// The data size of class `c` (the largest request it serves).
 #[inline]
 pub fn class_size(c: usize) -> usize {
+    CLASS_SIZES[c]
+}
+
+const fn class_size_of(c: usize) -> usize {
     if c < 16 {
         return (c + 1) * 64;
     }
@@ -41,6 +45,17 @@ pub fn class_size(c: usize) -> usize {
     let m = (c - 16) % 8;
     (9 + m) << (e - 4)
 }
+
+/// Every class's size, computed at compile time: the hot path reads one entry.
+static CLASS_SIZES: [usize; CLASSES] = {
+    let mut t = [0; CLASSES];
+    let mut c = 0;
+    while c < CLASSES {
+        t[c] = class_size_of(c);
+        c += 1;
+    }
+    t
+};
 
 /// The largest class whose size is at most `size` (for blocks whose size is not a class size:
 /// they serve the requests of that class and below). None below 64 bytes.

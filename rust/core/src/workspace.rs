@@ -546,11 +546,9 @@ impl Workspace {
     #[inline(always)]
     fn carve_arena(&mut self, class: usize, slot: usize, size: usize, zeroed: bool) -> Option<NonNull<u8>> {
         let region = self.region.as_mut()?;
-        let (off, slot) = region.carve(class, slot)?;
+        let (p, slot, off) = region.take(class, slot, size, self.epoch)?;
         // Host memory is zero-filled when mapped: never-carved memory needs no write.
         let clear = zeroed && !(self.inline_headers && region.is_fresh(off));
-        // SAFETY: `off` was just carved for this slot.
-        let p = unsafe { region.hand_out(off, slot, size, self.epoch) };
         self.accounts.count_arena(size, slot);
         if clear {
             // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
