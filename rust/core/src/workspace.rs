@@ -72,6 +72,7 @@ static NEXT_TOKEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::
 pub struct BlockInfo {
     pub kind: BlockKind,
     pub requested: usize,
+    /// The pinning epoch it was handed out in.
     pub generation: u64,
     /// Base address and capacity of the region holding an arena block.
     pub region: Option<(usize, usize)>,
@@ -232,6 +233,12 @@ impl Workspace {
     /// Completed cycles.
     pub fn generation(&self) -> u64 {
         self.cycles
+    }
+
+    /// The pinning epoch: it advances when the last open cycle closes; a live block handed out in
+    /// an earlier one is pinned (see [`BlockInfo::generation`]).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     pub fn is_initialized(&self) -> bool {

@@ -435,69 +435,39 @@ fn huge_mappings_are_reused_while_their_size_recurs_and_released_when_it_stops()
 
 mod long_cycles {
     use super::*;
+    use common::program::{Op, Program};
     use proptest::prelude::*;
-
-    #[derive(Debug, Clone)]
-    enum Op {
-        Alloc(usize),
-        Free(usize),
-        Cycle,
-    }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             6 => (6u32..19).prop_map(|bits| Op::Alloc((1usize << bits) + (bits as usize) * 40)),
+            1 => (6u32..19).prop_map(|bits| Op::Calloc((1usize << bits) - (bits as usize) * 2)),
             5 => any::<usize>().prop_map(Op::Free),
-            1 => Just(Op::Cycle),
+            1 => (any::<usize>(), 6u32..19).prop_map(|(i, bits)| Op::Realloc(i, 1 << bits)),
+            1 => Just(Op::CycleEnd),
         ]
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: common::cases(48), ..ProptestConfig::default() })]
 
-        /// Long adaptive cycles that churn through external memory (provisional arenas, walks
-        /// for freed memory, grants of untouched memory): live blocks never overlap and keep
-        /// their contents, and every region's chain stays consistent.
+        /// Long adaptive cycles that churn through external memory (blocks recycled by class,
+        /// walks for freed memory, grants of untouched memory, free lists and hot slots): live
+        /// blocks never overlap and keep their contents, and every region's chain and lists stay
+        /// consistent.
         #[test]
         fn live_blocks_keep_their_contents(ops in proptest::collection::vec(op(), 200..1200)) {
             let mut w = Workspace::new("P", WorkspaceConfiguration::adaptive()).unwrap();
             w.enter().unwrap();
-            let mut live: Vec<(NonNull<u8>, usize, u8)> = Vec::new();
-            for (i, op) in ops.into_iter().enumerate() {
-                match op {
-                    Op::Alloc(size) => {
-                        let p = w.alloc(size).unwrap();
-                        let seed = i as u8;
-                        fill(p.as_ptr(), (size - 1).min(512), seed);
-                        // SAFETY: a live block of `size` bytes; its last byte is ours.
-                        unsafe { *p.as_ptr().add(size - 1) = seed };
-                        live.push((p, size, seed));
-                    }
-                    Op::Free(k) if !live.is_empty() => {
-                        let (p, size, seed) = live.swap_remove(k % live.len());
-                        prop_assert!(intact(p.as_ptr(), (size - 1).min(512), seed));
-                        // SAFETY: live, freed once.
-                        prop_assert_eq!(unsafe { *p.as_ptr().add(size - 1) }, seed);
-                        // SAFETY: live, freed once.
-                        unsafe { w.free(p) };
-                    }
-                    Op::Free(_) => {}
-                    Op::Cycle => {
-                        w.exit().unwrap();
-                        w.enter().unwrap();
-                    }
+            let mut program = Program::new(w);
+            for (step, op) in ops.into_iter().enumerate() {
+                program.apply(op, &mut |e| panic!("refused: {e}"));
+                if step % 32 == 0 {
+                    program.check(&format!("step {step}"));
                 }
             }
-            let mut spans: Vec<(usize, usize)> = live.iter().map(|(p, s, _)| (p.as_ptr() as usize, *s)).collect();
-            spans.sort_unstable();
-            for pair in spans.windows(2) {
-                prop_assert!(pair[0].0 + pair[0].1 <= pair[1].0, "live blocks overlap");
-            }
-            for (p, size, seed) in live {
-                prop_assert!(intact(p.as_ptr(), (size - 1).min(512), seed));
-                // SAFETY: live, freed once.
-                unsafe { w.free(p) };
-            }
+            program.check("end");
+            let mut w = program.finish();
             w.exit().unwrap();
             w.verify();
         }

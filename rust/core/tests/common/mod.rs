@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+pub mod program;
 #[cfg(feature = "cuda")]
 pub mod standin;
 
@@ -29,6 +30,12 @@ pub fn backends() -> Vec<(&'static str, Arc<dyn Backend>)> {
         all.push(("cuda-pinned-host (driver stand-in)", Arc::new(pinned)));
     }
     all
+}
+
+/// Property-test cases: `default`, or `PROPTEST_CASES` when set (Miri and the sanitizers run
+/// fewer).
+pub fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 /// Fills `len` bytes at `p` with a pattern derived from `seed`.
