@@ -15,7 +15,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::arena::{header_of, slot_for, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
-use crate::backend::{round_to_page, AnonymousMemory, Backend, FileMappedMemory, BLOCK_ALIGN};
+use crate::backend::{available_memory, round_to_page, AnonymousMemory, Backend, FileMappedMemory, BLOCK_ALIGN};
 use crate::config::{
     AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration,
 };
@@ -77,18 +77,6 @@ struct CachedMapping {
     len: usize,
     /// The generation of its last use.
     used: u64,
-}
-
-/// Bytes of physical memory free right now (`sysconf(_SC_AVPHYS_PAGES)`), or `usize::MAX` when
-/// the system does not say.
-fn available_memory() -> usize {
-    // SAFETY: plain queries without preconditions.
-    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_AVPHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
-    if pages > 0 && size > 0 {
-        (pages as usize).saturating_mul(size as usize)
-    } else {
-        usize::MAX
-    }
 }
 
 /// The statistics of the contract, all in bytes or counts.
@@ -573,9 +561,13 @@ impl Workspace {
         // SAFETY: `off` was just carved for this slot.
         let p = unsafe { region.hand_out(off, slot, size, self.generation) };
         self.count_arena(slot, size);
-        if clear {
-            // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
-            unsafe { self.backend.zero(p, size) };
+        // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
+        if clear && unsafe { self.backend.zero(p, size) }.is_err() {
+            // A fill the device refused: the block goes back, and the request is served outside
+            // the arena, where a refused fill is an error.
+            // SAFETY: `p` was handed out just above and never reached the caller.
+            unsafe { self.free(p) };
+            return None;
         }
         Some(p)
     }
@@ -1014,7 +1006,12 @@ impl Workspace {
         }
         let q = if self.destroyed { self.alloc_unaccounted(new_size, false)? } else { self.alloc(new_size)? };
         // SAFETY: both blocks are live, distinct, of this backend, and valid for the bytes copied.
-        unsafe { self.backend.copy(q, p, old.min(new_size)) };
+        if let Err(what) = unsafe { self.backend.copy(q, p, old.min(new_size)) } {
+            // A copy the device refused: the old block stays the caller's, with its contents.
+            // SAFETY: `q` was allocated just above and never reached the caller.
+            unsafe { self.free(q) };
+            return Err(Error::Unavailable { what });
+        }
         // SAFETY: `p` is live and ours (caller's guarantee); it is freed once, here.
         unsafe { self.free(p) };
         Ok(q)
