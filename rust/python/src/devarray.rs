@@ -816,7 +816,7 @@ impl DeviceArray {
         let mut copied = false;
         if copy == Some(true) {
             let fresh = Block::new(&block.memory, block.nbytes, false).map_err(|e| to_py(py, e))?;
-            fresh.copy_from(&block, block.nbytes)?;
+            fresh.copy_from(py, &block, block.nbytes)?;
             block = Arc::new(fresh);
             copied = true;
         }

@@ -310,11 +310,11 @@ impl WorkspaceCore {
 
     /// Hands the driver releases the backend queued to the driver now (they also go at the end
     /// of each cycle and after each release); returns how many releases the driver refused so far.
-    fn _reclaim(&self) -> usize {
+    fn _reclaim(&self, py: Python<'_>) -> usize {
         if let Some(p) = &self.memory.pending {
             p.settle(false);
         }
-        reclaim(&self.memory);
+        reclaim(py, &self.memory);
         self.memory.deferred.as_ref().map_or(0, |d| d.failed_releases())
     }
 
@@ -404,7 +404,7 @@ impl WorkspaceCore {
         let popped = scope::pop(py, slf.as_any(), slf.as_any(), || me.entered_elsewhere())?;
         if !me.shared.destroyed.load(Ordering::Relaxed) {
             let exited = me.shared.lock().exit();
-            reclaim(&me.memory);
+            reclaim(py, &me.memory);
             let r = exited.map_err(|e| to_py(py, e))?;
             let failures = me.shared.has_failures.load(Ordering::Relaxed);
             let leaked = r.completed && r.escaped_blocks > 0 && me.cycle_detector;
@@ -482,7 +482,7 @@ impl WorkspaceCore {
     /// Closes what `_open_cycle` opened.
     fn _close_cycle(&self, py: Python<'_>) -> PyResult<()> {
         let exited = self.shared.lock().exit();
-        reclaim(&self.memory);
+        reclaim(py, &self.memory);
         exited.map(|_| ()).map_err(|e| to_py(py, e))
     }
 
@@ -493,10 +493,10 @@ impl WorkspaceCore {
     }
 
     /// Core part of `destroy()`: memory under live arrays is kept until they die.
-    fn _destroy(&self) {
+    fn _destroy(&self, py: Python<'_>) {
         self.shared.destroyed.store(true, Ordering::Relaxed);
         self.shared.lock().destroy();
-        reclaim(&self.memory);
+        reclaim(py, &self.memory);
     }
 
     /// A new uninitialised array over workspace memory: an ndarray, or a `DeviceArray` for a
