@@ -38,13 +38,25 @@ def test_strict_device_workspaces_raise_with_the_reason():
     assert rustws.get_workspace("STRICT") is None
 
 
-@pytest.mark.parametrize("ordinal", [-1, "0", 1.0, True])
+@pytest.mark.parametrize("ordinal", [-1, "0", 1.0, True, 2**31, 2**64, 10**20])
 def test_the_probe_refuses_bad_ordinals(ordinal):
     with pytest.raises(ValueError, match="ordinal"):
         rustws.cuda.unavailable_reason(ordinal)
 
 
-@pytest.mark.parametrize("device", ["cuda:x", "cuda:-1", "gpu", "cuda0"])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cuda:x",
+        "cuda:-1",
+        "gpu",
+        "cuda0",
+        "cuda:" + "9" * 20,
+        "cuda:2147483648",
+        "cuda:\u00b2",
+        "cuda:\u0663",
+    ],
+)
 def test_bad_device_strings(device):
     with pytest.raises(ValueError, match="device"):
         rustws.workspace("BAD", CFG, device=device)

@@ -212,6 +212,9 @@ def _check_config(config: Any) -> WorkspaceConfiguration | None:
     raise TypeError(f"config must be a WorkspaceConfiguration, a dict or None, got {type(config).__name__}")
 
 
+_MAX_ORDINAL = 2**31 - 1  # CUDA and DLPack number devices with a C int
+
+
 def _check_device(device: Any) -> tuple[str, int | None]:
     """The normalised device and its CUDA ordinal (None for the host)."""
     if not isinstance(device, str):
@@ -221,8 +224,8 @@ def _check_device(device: Any) -> tuple[str, int | None]:
         return "cpu", None
     if d == "cuda" or d.startswith("cuda:"):
         ordinal = d[5:] or "0"
-        if not ordinal.isdigit():
-            raise ValueError(f"invalid device {device!r}: the ordinal must be a non-negative int")
+        if not (ordinal.isascii() and ordinal.isdigit()) or int(ordinal) > _MAX_ORDINAL:
+            raise ValueError(f"invalid device {device!r}: the ordinal must be an int from 0 to 2**31 - 1")
         return f"cuda:{int(ordinal)}", int(ordinal)
     raise ValueError(f"invalid device {device!r}: expected 'cpu' or 'cuda:N'")
 
