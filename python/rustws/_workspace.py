@@ -93,7 +93,14 @@ class Workspace(_rustws.WorkspaceCore):
     config: WorkspaceConfiguration
     device: str
 
-    def _setup(self, config: WorkspaceConfiguration, device: str, capture: bool) -> None:
+    def __init__(self, name: str, config: dict[str, Any], backend: str | None = None) -> None:
+        # Made directly (``rustws.Workspace(name, {})``) rather than by ``rustws.workspace``: a
+        # usable workspace of no thread's registry, its configuration read back from the dict
+        # the core validated. ``rustws.workspace`` sets it up again for its thread.
+        self._setup(WorkspaceConfiguration.from_dict(config), "cpu", True, trace=False)
+        _BY_ID[self.id] = self
+
+    def _setup(self, config: WorkspaceConfiguration, device: str, capture: bool, trace: bool = True) -> None:
         self.config = config
         self.device = device
         self.capture = capture
@@ -101,7 +108,7 @@ class Workspace(_rustws.WorkspaceCore):
         self._registry: weakref.ref[_Registry] | None = None
         self._traces: list[tuple[weakref.ref[Any], int, str]] = []
         self._traces_limit = 64
-        if config.use_cycle_detector and os.environ.get("RUSTWS_TRACE") == "1":
+        if trace and config.use_cycle_detector and os.environ.get("RUSTWS_TRACE") == "1":
             # Record where explicit allocations happen, for the escape report. (Captured
             # allocations happen inside NumPy, where no Python runs.)
             for fname in ("empty", "zeros", "full", "empty_like", "zeros_like"):
