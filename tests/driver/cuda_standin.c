@@ -65,6 +65,7 @@ struct standin_event {
 struct standin_stream {
     int magic;
     unsigned int flags;
+    struct standin_stream *next; /* every stream ever made, live or destroyed */
 };
 
 struct allocation {
@@ -93,6 +94,7 @@ static int failing_copies;
 static struct standin_context primary[MAX_DEVICES];
 static struct standin_context foreign = {CTX_MAGIC, -1, 1};
 static struct standin_event *events;
+static struct standin_stream *streams;
 static struct allocation *allocations;
 static size_t n_allocations, cap_allocations;
 static char *log_buf;
@@ -585,6 +587,10 @@ STANDIN_EXPORT CUresult cuStreamCreate(void **out, unsigned int flags) {
     if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
     s->magic = STREAM_MAGIC;
     s->flags = flags;
+    pthread_mutex_lock(&lock);
+    s->next = streams;
+    streams = s;
+    pthread_mutex_unlock(&lock);
     *out = s;
     note("cuStreamCreate %p flags=%u", (void *)s, flags);
     return CUDA_SUCCESS;

@@ -31,6 +31,29 @@ mod libc {
     pub unsafe fn malloc_trim(_pad: size_t) -> c_int {
         0
     }
+
+    /// The most a mapping may hold under Miri, which aborts on a mapping it cannot hold where the
+    /// kernel would refuse it with `ENOMEM`.
+    const MAP_LIMIT: size_t = 1 << 32;
+
+    /// # Safety
+    /// As for `libc::mmap`.
+    pub unsafe fn mmap(
+        addr: *mut c_void,
+        len: size_t,
+        prot: c_int,
+        flags: c_int,
+        fd: c_int,
+        off: off_t,
+    ) -> *mut c_void {
+        if len > MAP_LIMIT {
+            // SAFETY: the calling thread's errno.
+            unsafe { *__errno_location() = ENOMEM };
+            return MAP_FAILED;
+        }
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { ::libc::mmap(addr, len, prot, flags, fd, off) }
+    }
 }
 
 use std::alloc::{self, Layout};
@@ -313,6 +336,9 @@ fn prefault(ptr: NonNull<u8>, len: usize) {
 fn mmap_checked(len: usize, prot: libc::c_int, flags: libc::c_int, fd: libc::c_int) -> Result<NonNull<u8>, String> {
     if len == 0 {
         return Err("cannot map 0 bytes".to_string());
+    }
+    if len > isize::MAX as usize {
+        return Err(format!("cannot map {len} bytes: more than an address space holds"));
     }
     // SAFETY: a fresh mapping at an address the kernel chooses; no existing memory is affected.
     let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) };

@@ -353,7 +353,7 @@ mod long_cycles {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: common::cases(48), ..ProptestConfig::default() })]
 
         /// Long adaptive cycles that churn through external memory (provisional arenas, walks
         /// for freed memory, grants of untouched memory): live blocks never overlap and keep

@@ -21,8 +21,14 @@ enum Op {
     CycleEnd,
 }
 
+/// Under Miri, which runs each step thousands of times slower, programs are shorter and blocks
+/// and arenas smaller; the paths they take are the same.
+const MIRI: bool = cfg!(miri);
+const LARGE: usize = if MIRI { 30_000 } else { 300_000 };
+const LONG: usize = if MIRI { 40 } else { 150 };
+
 fn op() -> impl Strategy<Value = Op> {
-    let size = prop_oneof![1usize..4000, 4000usize..300_000];
+    let size = prop_oneof![1usize..4000, 4000usize..LARGE];
     prop_oneof![
         5 => size.clone().prop_map(Op::Alloc),
         3 => any::<usize>().prop_map(Op::Free),
@@ -33,7 +39,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn config() -> impl Strategy<Value = WorkspaceConfiguration> {
     (
-        prop_oneof![Just(0u64), Just(64 << 10), Just(1 << 20)],
+        prop_oneof![Just(0u64), Just(64 << 10), Just(if MIRI { 128 << 10 } else { 1 << 20 })],
         prop_oneof![Just(LearningPolicy::None), Just(LearningPolicy::FirstLoop), Just(LearningPolicy::OverTime)],
         prop_oneof![Just(SpillPolicy::Fail), Just(SpillPolicy::Reallocate), Just(SpillPolicy::External)],
         prop_oneof![Just(ResetPolicy::BlockLeft), Just(ResetPolicy::EndOfBufferReached)],
@@ -162,7 +168,7 @@ fn run(config: WorkspaceConfiguration, source: u8, every: u64, errno: i32, ops: 
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(128), ..ProptestConfig::default() })]
 
     #[test]
     fn every_injected_failure_is_a_clean_error_and_the_workspace_recovers(
@@ -170,7 +176,7 @@ proptest! {
         source in any::<u8>(),
         every in 1u64..6,
         enospc in any::<bool>(),
-        ops in prop::collection::vec(op(), 1..150),
+        ops in prop::collection::vec(op(), 1..LONG),
     ) {
         run(config, source, every, if enospc { libc::ENOSPC } else { libc::ENOMEM }, ops);
     }

@@ -24,8 +24,14 @@ enum Op {
     Destroy,
 }
 
+/// Under Miri, which runs each step thousands of times slower, programs are shorter and blocks
+/// and arenas smaller; the paths they take are the same.
+const MIRI: bool = cfg!(miri);
+const LARGE: usize = if MIRI { 20_000 } else { 200_000 };
+const LONG: usize = if MIRI { 40 } else { 300 };
+
 fn op() -> impl Strategy<Value = Op> {
-    let size = prop_oneof![1usize..200, 200usize..5000, 5000usize..200_000, Just(0usize)];
+    let size = prop_oneof![1usize..200, 200usize..5000, 5000usize..LARGE, Just(0usize)];
     prop_oneof![
         6 => size.clone().prop_map(Op::Alloc),
         4 => any::<usize>().prop_map(Op::Free),
@@ -39,7 +45,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn config() -> impl Strategy<Value = (WorkspaceConfiguration, Option<usize>)> {
     (
-        prop_oneof![Just(0u64), Just(64 << 10), Just(1 << 20)],
+        prop_oneof![Just(0u64), Just(64 << 10), Just(if MIRI { 128 << 10 } else { 1 << 20 })],
         prop_oneof![
             Just(LearningPolicy::None),
             Just(LearningPolicy::FirstLoop),
@@ -54,7 +60,7 @@ fn config() -> impl Strategy<Value = (WorkspaceConfiguration, Option<usize>)> {
             Just(AllocationPolicy::Always)
         ],
         prop_oneof![Just(0u64), Just(100)],
-        prop_oneof![Just(None), Just(Some(1usize << 20)), Just(Some(4usize << 20))],
+        prop_oneof![Just(None), Just(Some(LARGE * 5)), Just(Some(LARGE * 20))],
         0u64..3,
     )
         .prop_map(|(initial, learning, spill, reset, alloc, helper, limit, cbi)| {
@@ -189,13 +195,13 @@ fn run(config: WorkspaceConfiguration, limit: Option<usize>, source: u8, ops: Ve
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(256), ..ProptestConfig::default() })]
 
     #[test]
     fn random_programs_keep_blocks_disjoint_intact_and_counted(
         (config, limit) in config(),
         source in any::<u8>(),
-        ops in prop::collection::vec(op(), 1..300),
+        ops in prop::collection::vec(op(), 1..LONG),
     ) {
         run(config, limit, source, ops);
     }
@@ -204,7 +210,7 @@ proptest! {
     fn random_programs_survive_destroy(
         (config, limit) in config(),
         source in any::<u8>(),
-        mut ops in prop::collection::vec(op(), 1..120),
+        mut ops in prop::collection::vec(op(), 1..LONG / 2),
         at in any::<prop::sample::Index>(),
     ) {
         let k = at.index(ops.len());
