@@ -51,8 +51,12 @@ fi
 # -- AddressSanitizer ----------------------------------------------------------------------------------
 step "AddressSanitizer: every test of the core"
 host=$(rustc -vV | sed -n 's/^host: //p')
+probe=$(mktemp -d)
 if [ "$host" != "x86_64-unknown-linux-gnu" ]; then
     skip "AddressSanitizer runs here on x86_64-unknown-linux-gnu only (host is $host)"
+elif ! why=$(echo 'fn main() {}' | RUSTC_BOOTSTRAP=1 rustc -Zsanitizer=address --target "$host" \
+    -o "$probe/probe" - 2>&1); then
+    skip "this toolchain cannot build with -Zsanitizer=address: $(echo "$why" | head -3)"
 else
     # allocator_may_return_null: tests check that requests no address space holds are refused, as
     # the system allocator refuses them (ASan would abort instead).
@@ -65,3 +69,4 @@ else
         --skip a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena \
         --skip a_destroyed_workspace_returns_pages_as_its_blocks_die
 fi
+rm -rf "$probe"
