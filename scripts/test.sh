@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every check and every test, Rust and Python, from a fresh clone: builds the extension into a
-# local virtual environment (.venv), then runs formatting, lints, the stub check, the Rust tests,
-# Miri over the core's unit tests where a nightly toolchain has it, and the Python tests. Exits
-# non-zero on the first failure.
+# local virtual environment (.venv), then runs formatting, lints, the stub check, the Rust tests
+# and the Python tests. Exits non-zero on the first failure. The core under Miri and the
+# sanitizers is scripts/sanitizers.sh (CI runs both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,15 +34,5 @@ $VPY -m mypy.stubtest rustws._rustws
 
 step "rust tests"
 cargo test -p rustws-core --quiet
-step "miri (the core's unit tests)"
-if cargo +nightly miri --version >/dev/null 2>&1; then
-    # Without the CUDA feature (Miri loads no driver); madvise and sysconf are shimmed under cfg(miri).
-    MIRIFLAGS="-Zmiri-disable-isolation" cargo +nightly miri test -p rustws-core --lib --no-default-features --quiet
-else
-    echo "skipped: no nightly toolchain with the miri component here (rustup +nightly component add miri)"
-    echo "checking that the core still builds under cfg(miri) (its shims for madvise and sysconf)"
-    RUSTFLAGS="--cfg miri" cargo check -p rustws-core --lib --no-default-features --quiet \
-        --target-dir target/miri-cfg-check
-fi
 step "python tests"
 $VPY -m pytest -q

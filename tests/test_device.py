@@ -3,6 +3,8 @@ with DeviceArrays, and zero-copy exchange through DLPack and the array interface
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -36,13 +38,25 @@ def test_strict_device_workspaces_raise_with_the_reason():
     assert rustws.get_workspace("STRICT") is None
 
 
-@pytest.mark.parametrize("ordinal", [-1, "0", 1.0, True])
+@pytest.mark.parametrize("ordinal", [-1, "0", 1.0, True, 2**31, 2**64, 10**20])
 def test_the_probe_refuses_bad_ordinals(ordinal):
     with pytest.raises(ValueError, match="ordinal"):
         rustws.cuda.unavailable_reason(ordinal)
 
 
-@pytest.mark.parametrize("device", ["cuda:x", "cuda:-1", "gpu", "cuda0"])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cuda:x",
+        "cuda:-1",
+        "gpu",
+        "cuda0",
+        "cuda:" + "9" * 20,
+        "cuda:2147483648",
+        "cuda:\u00b2",
+        "cuda:\u0663",
+    ],
+)
 def test_bad_device_strings(device):
     with pytest.raises(ValueError, match="device"):
         rustws.workspace("BAD", CFG, device=device)
@@ -124,3 +138,81 @@ def test_asarray_needs_a_workspace():
     with host_ws:
         d = rustws.cuda.asarray([1, 2], host_ws)
     assert isinstance(d, DeviceArray) and d.device == "cpu"
+
+
+# -- views of host DeviceArrays outlive dispose ----------------------------------------------------
+
+
+class _InterfaceConsumer:
+    """A consumer of ``__array_interface__`` alone (as libraries without the buffer protocol read
+    it): it keeps the array, and points into its memory."""
+
+    def __init__(self, d):
+        self.d = d
+        self.__array_interface__ = d.__array_interface__
+
+
+VIEWS = {
+    "__array_interface__ consumer": lambda d: np.asarray(_InterfaceConsumer(d)),
+    "np.asarray": lambda d: np.asarray(d),
+    "np.array(copy=False)": lambda d: np.array(d, copy=False),
+    "__array__": lambda d: d.__array__(),
+    "memoryview": lambda d: memoryview(d),
+    "np.frombuffer": lambda d: np.frombuffer(d, dtype=np.float64),
+    "np.asarray(memoryview)": lambda d: np.asarray(memoryview(d)),
+    "np.from_dlpack": lambda d: np.from_dlpack(d),
+    "view of a view": lambda d: np.asarray(d)[2:][::2],
+}
+
+
+def _dispose(d, how):
+    if how == "dispose":
+        d.dispose()
+    elif how == "dispose_scope":
+        with rustws.dispose_scope() as scope:
+            scope.attach(d)
+        assert d.is_disposed
+    else:  # the DeviceArray object itself goes away
+        del d
+
+
+def _host_workspaces():
+    yield "fallback", fallback("VIEWS")
+    host_only = CFG.replace(policy_mirroring="HOST_ONLY")
+    yield "HOST_ONLY", rustws.workspace("VIEWS_HOST_ONLY", host_only, device="cuda:0")
+
+
+@pytest.mark.parametrize("how", ["dispose", "dispose_scope", "del"])
+@pytest.mark.parametrize("make_view", VIEWS.values(), ids=VIEWS.keys())
+def test_a_view_of_a_host_device_array_keeps_its_memory(make_view, how):
+    """The safety rule for every zero-copy view of a host DeviceArray: after ``dispose()``, leaving
+    a dispose scope or the array's death, the view keeps its values and its memory is never
+    handed out again while the view lives."""
+    for name, ws in _host_workspaces():
+        with ws:
+            d = ws.full(64, 5.0, np.float64)
+            view = make_view(d)
+            values = np.asarray(view, dtype=np.float64)
+            start = np.asarray(view).ctypes.data if not isinstance(view, memoryview) else None
+            _dispose(d, how)
+            del d
+            gc.collect()
+            for _ in range(4):
+                fresh = [ws.zeros(64, np.float64), ws.full(64, -1.0, np.float64)]
+                for f in fresh:
+                    assert np.asarray(f).ctypes.data != start, f"{name}: memory reused under a view"
+            assert (np.asarray(view, dtype=np.float64) == values).all(), f"{name}: the view's values changed"
+            del view, fresh
+
+
+def test_memoryview_of_a_host_device_array_is_zero_copy_and_writable():
+    ws = fallback()
+    with ws:
+        d = ws.zeros((3, 4), np.float32)
+    m = memoryview(d)
+    assert (m.shape, m.format, m.readonly, m.nbytes) == ((3, 4), "f", False, 48)
+    np.asarray(m)[1, 2] = 9.0
+    assert np.asarray(d)[1, 2] == 9.0
+    d.dispose()
+    with pytest.raises(DisposedArrayError):
+        memoryview(d)

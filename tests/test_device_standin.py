@@ -119,6 +119,8 @@ def test_device_arrays_live_in_the_workspace_and_refuse_implicit_host_use():
         assert not hasattr(a, "__array_interface__")
         with pytest.raises(TypeError, match="to_numpy"):
             np.asarray(a)
+        with pytest.raises(BufferError, match="to_numpy"):
+            memoryview(a)  # device memory has no host buffer
         with pytest.raises(TypeError, match="holds Python objects"):
             ws.empty(3, object)
         with pytest.raises(ValueError, match="order"):

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 DRIVER = Path(__file__).parent / "driver"
-CASES = [
-    node.name
-    for node in ast.parse((DRIVER / "cases.py").read_text()).body
-    if isinstance(node, ast.FunctionDef) and node.name.startswith("case_")
-]
+_TREE = ast.parse((DRIVER / "cases.py").read_text())
+_DEFS = [node.name for node in _TREE.body if isinstance(node, ast.FunctionDef)]
+CASES = [name for name in _DEFS if name.startswith("case_")]
+# Cases that change the interpreter for good (a subinterpreter): each runs in a process of its own.
+SOLO_CASES = [name for name in _DEFS if name.startswith("solo_case_")]
 
 _spec = importlib.util.spec_from_file_location("cuda_standin_build", DRIVER / "standin.py")
 assert _spec is not None and _spec.loader is not None
@@ -102,6 +102,17 @@ def worker(library: Path, tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("case", CASES, ids=[c.removeprefix("case_") for c in CASES])
 def test_on_the_driver_stand_in(worker: Worker, case: str) -> None:
     reply = worker.run(case)
+    if not reply["ok"]:
+        pytest.fail(str(reply["error"]), pytrace=False)
+
+
+@pytest.mark.parametrize("case", SOLO_CASES, ids=[c.removeprefix("solo_case_") for c in SOLO_CASES])
+def test_alone_on_the_driver_stand_in(library: Path, tmp_path: Path, case: str) -> None:
+    w = Worker(library, tmp_path / "stderr.txt")
+    try:
+        reply = w.run(case)
+    finally:
+        w.close()
     if not reply["ok"]:
         pytest.fail(str(reply["error"]), pytrace=False)
 

@@ -4,6 +4,7 @@ safety rule for kept batches) and the GC controls."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 import weakref
@@ -192,6 +193,150 @@ def test_gc_bad_arguments():
         rustws.toggle_periodic_gc(1)
     with pytest.raises(ValueError), rustws.gc_window(0):
         pass
+
+
+def _gc_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "rustws-gc" and t.is_alive()]
+
+
+def _collects_within(seconds: float) -> bool:
+    ref = weakref.ref(_Node())  # a reference cycle: only the cyclic GC frees it
+    deadline = time.time() + seconds
+    while ref() is not None and time.time() < deadline:
+        time.sleep(0.005)
+    return ref() is None
+
+
+@pytest.mark.parametrize("threads", [2, 4, 8])
+@pytest.mark.parametrize("order", ["fifo", "lifo", "random"])
+def test_gc_windows_from_many_threads_restore_automatic_gc(threads, order):
+    """Windows entered from several threads, overlapping, exited in any order: inside any of them
+    collection is periodic; once every block has exited, automatic GC is back and no rustws-gc
+    thread runs."""
+    import random
+
+    assert gc.isenabled() and not _gc_threads()
+    entered = threading.Barrier(threads + 1)
+    release = [threading.Event() for _ in range(threads)]
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            with rustws.gc_window(5 + i):
+                entered.wait()
+                release[i].wait(10)
+                assert not gc.isenabled()
+        except BaseException as e:
+            errors.append(e)
+
+    workers = [threading.Thread(target=body, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    entered.wait()
+    assert not gc.isenabled() and len(_gc_threads()) == 1
+    assert _collects_within(5), "no periodic collection while the windows are open"
+    exits = list(range(threads))
+    if order == "lifo":
+        exits.reverse()
+    elif order == "random":
+        random.Random(threads).shuffle(exits)
+    for n, i in enumerate(exits):
+        release[i].set()
+        workers[i].join(10)
+        if n < threads - 1:
+            assert not gc.isenabled(), "a window is still open"
+    assert not errors, errors
+    assert gc.isenabled(), "automatic GC stayed off after every window exited"
+    assert not _gc_threads(), "a rustws-gc thread outlived every window"
+
+
+def test_gc_windows_churned_by_many_threads_end_in_automatic_gc():
+    def churn(seed: int) -> None:
+        for k in range(50):
+            with rustws.gc_window(1 + (seed + k) % 7):
+                if k % 5 == 0:
+                    time.sleep(0.001)
+
+    workers = [threading.Thread(target=churn, args=(i,)) for i in range(6)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    assert gc.isenabled() and not _gc_threads()
+
+
+def test_gc_windows_and_the_switch_combine():
+    rustws.set_auto_gc_window(10)
+    rustws.toggle_periodic_gc(True)
+    try:
+        done = threading.Event()
+
+        def other() -> None:
+            with rustws.gc_window(3):
+                done.wait(10)
+
+        t = threading.Thread(target=other)
+        t.start()
+        time.sleep(0.02)
+        done.set()
+        t.join()
+        assert not gc.isenabled() and len(_gc_threads()) == 1, "the switch keeps periodic collection"
+        assert _collects_within(5)
+    finally:
+        rustws.toggle_periodic_gc(False)
+    assert gc.isenabled() and not _gc_threads()
+    with rustws.gc_window(5):  # nested windows of one thread
+        with rustws.gc_window(7):
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled() and not _gc_threads()
+
+
+@pytest.mark.parametrize("ms", [2**31, 2**70, 10**30])
+def test_gc_windows_too_long_for_a_timed_wait_are_refused_at_the_call(ms):
+    with pytest.raises(ValueError, match="window"):
+        rustws.set_auto_gc_window(ms)
+    with pytest.raises(ValueError, match="window"), rustws.gc_window(ms):
+        pass
+    assert gc.isenabled() and not _gc_threads()
+
+
+def test_the_longest_window_keeps_the_collector_alive():
+    rustws.set_auto_gc_window(2**31 - 1)
+    rustws.toggle_periodic_gc(True)
+    try:
+        time.sleep(0.05)
+        assert len(_gc_threads()) == 1, "the collector thread died"
+        rustws.set_auto_gc_window(5)  # takes effect at once, not after the long wait
+        assert _collects_within(5)
+    finally:
+        rustws.toggle_periodic_gc(False)
+        rustws.set_auto_gc_window(100)
+    assert gc.isenabled() and not _gc_threads()
+
+
+class _RaisesInCollection:
+    calls = 0
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        type(self).calls += 1
+        raise RuntimeError("a finaliser that raises")
+
+
+def test_a_collection_that_raises_never_ends_periodic_collection(monkeypatch):
+    unraisable: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with rustws.gc_window(5):
+        _RaisesInCollection()
+        deadline = time.time() + 5
+        while _RaisesInCollection.calls == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        assert _RaisesInCollection.calls == 1
+        assert _collects_within(5), "collection stopped after a finaliser raised"
+        assert len(_gc_threads()) == 1
 
 
 def _prefetch_threads() -> set[threading.Thread]:

@@ -764,3 +764,31 @@ def test_raising_does_not_hold_the_workspace_lock():
         gc.set_threshold(700, 10, 10)
         gc.enable()
         gc.collect()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"initial_size": "1MiB", "policy_spill": "FAIL"}, WorkspaceConfiguration.adaptive().to_dict()],
+)
+def test_a_workspace_made_directly_works_like_any_other(config):
+    """``rustws.Workspace(name, config_dict)``: constructible, so it must work, down to ``destroy``."""
+    ws = rustws.Workspace("DIRECT", config)
+    assert ws.config == WorkspaceConfiguration.from_dict(config) and ws.device == "cpu"
+    assert rustws.get_workspace("DIRECT") is None  # no thread's registry holds it
+    with ws:
+        a = ws.full(1000, 3.0)  # above the adaptive profile's helper_min_size
+        b = np.ones(1000) * 2  # captured
+    assert rustws.owner(a) is ws and rustws.owner(b) is ws
+    assert ws.stats().cycles == 1 and ws.generation == 1
+    ws.destroy()
+    ws.destroy()
+    assert ws.is_destroyed and (a == 3.0).all()
+
+
+def test_a_workspace_made_directly_refuses_bad_configurations():
+    with pytest.raises(ValueError, match="initial_size"):
+        rustws.Workspace("DIRECT", {"initial_size": -1})
+    with pytest.raises(TypeError, match="unknown"):
+        rustws.Workspace("DIRECT", {"sizes": 1})
+    with pytest.raises(TypeError):
+        rustws.Workspace("DIRECT", WorkspaceConfiguration())  # a dict of its fields, as to_dict() gives

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
+import logging
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,7 @@ from ._workspace import Workspace, workspace
 __all__ = ["AsyncPrefetch", "AsyncShield", "gc_window", "set_auto_gc_window", "toggle_periodic_gc"]
 
 _END = object()
+logger = logging.getLogger("rustws")
 
 
 class _Failure:
@@ -226,96 +229,149 @@ class AsyncPrefetch:
 
 
 class _PeriodicCollector:
-    """Python's automatic GC off; a collection at most every ``window_ms`` from a daemon thread."""
+    """Python's automatic GC off, and a collection at most every window from a daemon thread,
+    while periodic collection is wanted: switched on by ``toggle_periodic_gc(True)`` or by any
+    open ``gc_window`` block, on any thread. Every change goes through ``_reconcile``, under one
+    lock, from the state it keeps (the switch, the open blocks), never from what another thread
+    found when it entered: blocks exit in any order and from any thread, and when the last one
+    exits (and the switch is off) automatic GC is back as it was and the thread has ended."""
 
     def __init__(self) -> None:
-        self.window_ms = 100
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._was_enabled = True
-        self._lock = threading.Lock()
+        self.window_ms = 100  # set_auto_gc_window: the window of the switch
         self.collections = 0
+        self._enabled = False  # toggle_periodic_gc
+        self._blocks: dict[int, int] = {}  # open gc_window blocks: token -> window (ms)
+        self._tokens = itertools.count(1)
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()  # set to stop the thread, or to make it read the window again
+        self._was_enabled = True  # automatic GC when periodic collection started
+        self._lock = threading.Lock()
 
     @property
     def running(self) -> bool:
         return self._thread is not None
 
-    def _run(self, stop: threading.Event, window_s: float) -> None:
-        while not stop.wait(window_s):
-            gc.collect()
+    def _window_s(self) -> float:
+        """The window in force: the most recently opened block's, else the switch's."""
+        ms = next(reversed(self._blocks.values())) if self._blocks else self.window_ms
+        return ms / 1000
+
+    def _run(self, wake: threading.Event) -> None:
+        me = threading.current_thread()
+        while True:
+            woken = wake.wait(self._window_s())  # the window in force, read afresh every time
+            if self._thread is not me:
+                return  # stopped
+            if woken:
+                wake.clear()  # the window changed: wait for the new one
+                continue
+            try:
+                gc.collect()
+            except Exception:  # a collection must never end periodic collection
+                logger.exception("rustws: a periodic garbage collection raised")
             self.collections += 1
 
-    def start(self) -> None:
-        with self._lock:
-            if self._thread is not None:
-                return
+    def _reconcile(self) -> threading.Thread | None:
+        """Starts or stops the thread to match the state, or makes it wait for the window in
+        force now (a new window takes effect at once). Called with the lock held; returns a
+        stopped thread for the caller to join once the lock is released (the thread may be
+        running a finaliser that needs the lock)."""
+        want = self._enabled or bool(self._blocks)
+        if want and self._thread is None:
             self._was_enabled = gc.isenabled()
             gc.disable()
-            self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=self._run, args=(self._stop, self.window_ms / 1000), name="rustws-gc", daemon=True
-            )
+            self._wake = wake = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(wake,), name="rustws-gc", daemon=True)
             self._thread.start()
-
-    def stop(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                return
-            self._stop.set()
-            self._thread.join(timeout=10)
-            self._thread = None
+        elif not want and self._thread is not None:
+            thread, self._thread = self._thread, None
+            self._wake.set()
             if self._was_enabled:
                 gc.enable()
+            return thread
+        elif want:
+            self._wake.set()
+        return None
+
+    def _change(self, update: Callable[[], None]) -> None:
+        with self._lock:
+            update()
+            stopped = self._reconcile()
+        if stopped is not None and stopped is not threading.current_thread():
+            stopped.join(timeout=10)
+
+    def set_enabled(self, enabled: bool) -> None:
+        def update() -> None:
+            self._enabled = enabled
+
+        self._change(update)
+
+    def set_window(self, ms: int) -> None:
+        def update() -> None:
+            self.window_ms = ms
+
+        self._change(update)
+
+    def open_block(self, ms: int) -> int:
+        token = next(self._tokens)
+
+        def update() -> None:
+            self._blocks[token] = ms
+
+        self._change(update)
+        return token
+
+    def close_block(self, token: int) -> None:
+        def update() -> None:
+            self._blocks.pop(token, None)
+
+        self._change(update)
 
 
 _collector = _PeriodicCollector()
+
+# The longest window: what a timed wait takes on every platform (a larger one used to kill the
+# collector thread with OverflowError, and cyclic garbage was never collected again).
+MAX_GC_WINDOW_MS = 2**31 - 1
 
 
 def _check_ms(ms: Any) -> int:
     if isinstance(ms, bool) or not isinstance(ms, int):
         raise TypeError(f"window must be an int of milliseconds, got {type(ms).__name__}")
-    if ms < 0:
-        raise ValueError(f"invalid window: must be >= 0 ms, got {ms}")
+    if not 0 <= ms <= MAX_GC_WINDOW_MS:
+        raise ValueError(f"invalid window: must be from 0 to {MAX_GC_WINDOW_MS} ms, got {ms}")
     return ms
 
 
 def set_auto_gc_window(ms: int) -> None:
-    """Collect at most every ``ms`` milliseconds while periodic GC is on; 0 turns it off."""
+    """Collect at most every ``ms`` milliseconds while periodic GC is on; 0 turns the switch of
+    ``toggle_periodic_gc`` off (open ``gc_window`` blocks keep theirs)."""
     ms = _check_ms(ms)
     if ms == 0:
-        _collector.stop()
+        _collector.set_enabled(False)
         return
-    running = _collector.running
-    _collector.stop()
-    _collector.window_ms = ms
-    if running:
-        _collector.start()
+    _collector.set_window(ms)
 
 
 def toggle_periodic_gc(enabled: bool) -> None:
-    """On: Python's automatic GC is off and a collection runs every window. Off: back to Python's."""
+    """On: Python's automatic GC is off and a collection runs every window. Off: back to Python's
+    (once no ``gc_window`` block is open either)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    if enabled:
-        _collector.start()
-    else:
-        _collector.stop()
+    _collector.set_enabled(enabled)
 
 
 @contextlib.contextmanager
 def gc_window(ms: int) -> Iterator[None]:
-    """Inside: periodic GC every ``ms`` milliseconds instead of Python's automatic GC."""
+    """Inside: periodic GC every ``ms`` milliseconds instead of Python's automatic GC. Blocks may
+    be open on several threads at once and exit in any order: the most recently opened one's
+    window is in force, and when the last exits, what was there before (automatic GC, or the
+    periodic collection of ``toggle_periodic_gc``) is back."""
     ms = _check_ms(ms)
     if ms == 0:
         raise ValueError("invalid window: gc_window needs ms > 0")
-    was_running, old_window = _collector.running, _collector.window_ms
-    _collector.stop()
-    _collector.window_ms = ms
-    _collector.start()
+    token = _collector.open_block(ms)
     try:
         yield
     finally:
-        _collector.stop()
-        _collector.window_ms = old_window
-        if was_running:
-            _collector.start()
+        _collector.close_block(token)

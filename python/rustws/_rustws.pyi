@@ -1,5 +1,6 @@
 """Type stubs for the compiled bindings ``rustws._rustws``."""
 
+import sys
 from collections.abc import Iterable
 from typing import Any, Generic, Literal, Self, TypeVar, final
 
@@ -145,6 +146,9 @@ class DeviceArray:
         copy: bool | None = None,
     ) -> object: ...
     def __dlpack_device__(self) -> tuple[int, int]: ...
+    if sys.version_info >= (3, 12):
+        def __buffer__(self, flags: int, /) -> memoryview: ...
+
     @property
     def host(self) -> np.ndarray[Any, Any]: ...
     def sync_to_host(self) -> np.ndarray[Any, Any]: ...

@@ -150,7 +150,14 @@ class Workspace(_rustws.WorkspaceCore):
     config: WorkspaceConfiguration
     device: str
 
-    def _setup(self, config: WorkspaceConfiguration, device: str, capture: bool) -> None:
+    def __init__(self, name: str, config: dict[str, Any], backend: str | None = None) -> None:
+        # Made directly (``rustws.Workspace(name, {})``) rather than by ``rustws.workspace``: a
+        # usable workspace of no thread's registry, its configuration read back from the dict
+        # the core validated. ``rustws.workspace`` sets it up again for its thread.
+        self._setup(WorkspaceConfiguration.from_dict(config), "cpu", True, trace=False)
+        _BY_ID[self.id] = self
+
+    def _setup(self, config: WorkspaceConfiguration, device: str, capture: bool, trace: bool = True) -> None:
         self.config = config
         self.device = device
         self.capture = capture
@@ -158,7 +165,7 @@ class Workspace(_rustws.WorkspaceCore):
         self._registry: weakref.ref[_Registry] | None = None
         self._traces: list[tuple[weakref.ref[Any], int, str]] = []
         self._traces_limit = 64
-        if config.use_cycle_detector and os.environ.get("RUSTWS_TRACE") == "1":
+        if trace and config.use_cycle_detector and os.environ.get("RUSTWS_TRACE") == "1":
             # Record where explicit allocations happen, for the escape report. (Captured
             # allocations happen inside NumPy, where no Python runs.)
             for fname in (
@@ -505,6 +512,9 @@ def _check_config(config: Any) -> WorkspaceConfiguration | None:
     raise TypeError(f"config must be a WorkspaceConfiguration, a dict or None, got {type(config).__name__}")
 
 
+_MAX_ORDINAL = 2**31 - 1  # CUDA and DLPack number devices with a C int
+
+
 def _check_device(device: Any) -> tuple[str, int | None]:
     """The normalised device and its CUDA ordinal (None for the host)."""
     if not isinstance(device, str):
@@ -514,8 +524,8 @@ def _check_device(device: Any) -> tuple[str, int | None]:
         return "cpu", None
     if d == "cuda" or d.startswith("cuda:"):
         ordinal = d[5:] or "0"
-        if not ordinal.isdigit():
-            raise ValueError(f"invalid device {device!r}: the ordinal must be a non-negative int")
+        if not (ordinal.isascii() and ordinal.isdigit()) or int(ordinal) > _MAX_ORDINAL:
+            raise ValueError(f"invalid device {device!r}: the ordinal must be an int from 0 to 2**31 - 1")
         return f"cuda:{int(ordinal)}", int(ordinal)
     raise ValueError(f"invalid device {device!r}: expected 'cpu' or 'cuda:N'")
 

@@ -37,7 +37,7 @@ from numpy.typing import ArrayLike, DTypeLike
 from . import _rustws
 from ._config import LearningPolicy, MirroringPolicy, WorkspaceConfiguration
 from ._errors import DeviceUnavailableError, WorkspaceClosedError
-from ._workspace import _BY_ID, ShapeLike, Workspace, _set_device_factory
+from ._workspace import _BY_ID, _MAX_ORDINAL, ShapeLike, Workspace, _set_device_factory
 
 __all__ = ["DeviceArray", "DeviceWorkspace", "asarray", "device_count", "is_available", "unavailable_reason"]
 
@@ -55,8 +55,8 @@ def device_count() -> int:
 def unavailable_reason(ordinal: int = 0) -> str | None:
     """Why ``cuda:<ordinal>`` cannot hold a device workspace (no driver, no device, a bad
     ordinal), or None when it can."""
-    if isinstance(ordinal, bool) or not isinstance(ordinal, int) or ordinal < 0:
-        raise ValueError(f"invalid device ordinal {ordinal!r}: must be an int >= 0")
+    if isinstance(ordinal, bool) or not isinstance(ordinal, int) or not 0 <= ordinal <= _MAX_ORDINAL:
+        raise ValueError(f"invalid device ordinal {ordinal!r}: must be an int from 0 to {_MAX_ORDINAL}")
     return _rustws.cuda_probe(ordinal)
 
 

@@ -240,8 +240,11 @@ def case_a_failing_driver_free_is_counted_not_fatal() -> None:
 
 
 def case_a_block_used_on_another_stream_waits_for_it() -> None:
+    """A stream the legacy default stream orders (CuPy's ``Stream()``): the block goes back once an
+    event recorded on the legacy stream at release has passed. The consumer's stream handle is
+    never named after ``__dlpack__`` returns: here the consumer destroys it before it is done."""
     ws = gpu()
-    stream = DRIVER.new_stream()
+    stream = DRIVER.new_stream(non_blocking=False)
     with ws:
         a = ws.empty(1000, np.float32)
         used = ws.stats().used_bytes
@@ -254,9 +257,10 @@ def case_a_block_used_on_another_stream_waits_for_it() -> None:
         del a
         gc.collect()
         assert ws.stats().used_bytes == used, "the consumer's tensor holds the block"
+        DRIVER.destroy_stream(stream)  # the consumer's `with Stream():` ends
         DRIVER.clear_log()
         managed.deleter(ctypes.pointer(managed))  # the consumer is done, on the host
-        index(DRIVER.log(), rf"^cuEventRecord 0x[0-9a-f]+ {stream:#x}$")
+        index(DRIVER.log(), r"^cuEventRecord 0x[0-9a-f]+ 0x1$")  # on the legacy stream, which orders it
         assert ws.stats().used_bytes == used, "its stream may still use the block"
         b = ws.empty(1000, np.float32)
         assert ws.stats().used_bytes == 2 * used
@@ -268,6 +272,51 @@ def case_a_block_used_on_another_stream_waits_for_it() -> None:
         log = DRIVER.log()
         index(log, r"^cuEventDestroy_v2 ", index(log, r"^cuEventQuery 0x[0-9a-f]+ complete$"))
         del b
+    assert not any("DESTROYED STREAM" in line for line in DRIVER.log()), DRIVER.log()
+
+
+def case_a_block_used_on_a_non_blocking_stream_waits_for_the_device() -> None:
+    """A non-blocking stream (PyTorch's side streams) is not ordered by the legacy stream: the
+    release waits for the whole device, and never names the stream, destroyed or not."""
+    ws = gpu()
+    for destroy_first in (False, True):
+        stream = DRIVER.new_stream(non_blocking=True)
+        with ws:
+            a = ws.empty(1000, np.float32)
+            managed = consume(a.__dlpack__(stream=stream))
+            del a
+            gc.collect()
+            if destroy_first:
+                DRIVER.destroy_stream(stream)
+            DRIVER.clear_log()
+            managed.deleter(ctypes.pointer(managed))
+            log = DRIVER.log()
+            index(log, r"^cuCtxSynchronize ")
+            assert not any(f"{stream:#x}" in line for line in log), log
+            assert ws.stats().used_bytes == 0, "the device is idle: the block is back at once"
+        if not destroy_first:
+            DRIVER.destroy_stream(stream)
+    assert not any("DESTROYED STREAM" in line for line in DRIVER.log())
+
+
+def case_a_refused_device_fill_or_copy_is_an_error() -> None:
+    """``ws.zeros`` whose fill the device refuses raises instead of handing out old bytes, and a
+    ``copy=True`` export whose copy fails raises instead of exporting garbage."""
+    ws = gpu("FILL", WorkspaceConfiguration(policy_mirroring="DISABLED"))
+    with ws:
+        junk = ws.empty(1000, np.float32)
+        junk.copy_from(np.full(1000, 7.0, np.float32))
+        del junk
+        DRIVER.set_failing_copies(1)
+        with pytest.raises(DeviceUnavailableError, match=r"LAUNCH_FAILED|clear"):
+            ws.zeros(1000, np.float32)
+        z = ws.zeros(1000, np.float32)
+        assert not z.to_numpy().any(), "a zeroed array holds old bytes"
+        DRIVER.set_failing_copies(1)
+        with pytest.raises(DeviceUnavailableError):
+            z.__dlpack__(copy=True)
+        DRIVER.set_failing_copies(0)
+        del z
 
 
 def case_pytorch_frees_wait_for_their_stream() -> None:
@@ -363,7 +412,9 @@ def case_cupy_blocks_wait_for_the_stream_they_were_made_on() -> None:
         def __init__(self, mem: UnownedMemory, offset: int) -> None:
             self.mem, self.ptr = mem, mem.ptr + offset
 
-    stream = types.SimpleNamespace(ptr=DRIVER.new_stream())
+    # CuPy's `Stream()` is ordered by the legacy default stream; it is destroyed before the memory
+    # made on it is dropped, as `with Stream():` around a block that outlives it does.
+    stream = types.SimpleNamespace(ptr=DRIVER.new_stream(non_blocking=False))
     memory = types.SimpleNamespace(UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer)
     cuda = types.SimpleNamespace(memory=memory, get_current_stream=lambda: stream)
     sys.modules["cupy"] = types.SimpleNamespace(cuda=cuda)  # type: ignore[assignment]
@@ -375,12 +426,66 @@ def case_cupy_blocks_wait_for_the_stream_they_were_made_on() -> None:
             used = ws.stats().used_bytes
             assert used >= 4096
             DRIVER.set_events_pending(True)
+            DRIVER.destroy_stream(stream.ptr)
             DRIVER.clear_log()
             del p  # CuPy drops the memory; kernels queued on its stream may still run
-            index(DRIVER.log(), rf"^cuEventRecord 0x[0-9a-f]+ {stream.ptr:#x}$")
+            index(DRIVER.log(), r"^cuEventRecord 0x[0-9a-f]+ 0x1$")
+            assert not any("DESTROYED STREAM" in line for line in DRIVER.log()), DRIVER.log()
             assert ws.stats().used_bytes == used
             DRIVER.complete_events()
             ws._reclaim()
             assert ws.stats().used_bytes == 0
     finally:
         del sys.modules["cupy"]
+
+
+def solo_case_c_entry_points_never_release_a_gil_they_do_not_hold() -> None:
+    """Once a subinterpreter exists, ``PyGILState_Check()`` says 1 on every thread, holding the GIL
+    or not. The DLPack deleter and PyTorch's free, called from C on threads without the GIL
+    (ctypes drops it around foreign calls), must not release a GIL they do not hold: that is a
+    fatal error with no thread state. Their driver frees wait for a call that holds the GIL."""
+    try:
+        import _xxsubinterpreters as subinterpreters  # type: ignore[import-not-found]
+    except ImportError:
+        import _interpreters as subinterpreters  # type: ignore[import-not-found,no-redef]
+    from rustws.torch import _route, _unroute
+
+    interp = subinterpreters.create()
+    try:
+        lib = ctypes.CDLL(_rustws.__file__)  # ctypes releases the GIL around these calls
+        malloc, free = lib.rustws_torch_malloc, lib.rustws_torch_free
+        malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        free.restype = None
+        free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        ws = gpu("SOLO", WorkspaceConfiguration(initial_size="1MiB", policy_mirroring="DISABLED"))
+        with ws:
+            # Blocks larger than the arena: each is a driver allocation of its own.
+            capsules = [consume(ws.empty(4 << 20, np.uint8).__dlpack__()) for _ in range(3)]
+            _route(ws, 0)
+            try:
+                torch_blocks = [malloc(4 << 20, 0, None) for _ in range(3)]
+            finally:
+                _unroute(ws)
+            assert all(torch_blocks)
+
+            def release_from_c() -> None:
+                for managed in capsules:
+                    managed.deleter(ctypes.pointer(managed))
+                for p in torch_blocks:
+                    free(p, 4 << 20, 0, None)
+
+            blocks = re.findall(r"^cuMemAlloc_v2 (0x[0-9a-f]+) 4194304 ", "\n".join(DRIVER.log()), re.M)
+            assert len(blocks) == 6, DRIVER.log()
+            DRIVER.clear_log()
+            t = threading.Thread(target=release_from_c)
+            t.start()
+            t.join()
+            release_from_c = None  # type: ignore[assignment]
+            assert not [line for line in DRIVER.log() if line.startswith("cuMemFree")], DRIVER.log()
+        # Kept for reuse until a call that holds the GIL (the cycle's end, which moves the arena,
+        # or destroy) releases it around the driver's frees.
+        ws.destroy()
+        freed = re.findall(r"^cuMemFree_v2 (0x[0-9a-f]+)$", "\n".join(DRIVER.log()), re.M)
+        assert sorted(set(blocks) & set(freed)) == sorted(blocks), DRIVER.log()
+    finally:
+        subinterpreters.destroy(interp)

@@ -13,7 +13,11 @@
  *   - frees that fail, and frees that take a while (to see that nothing waits for them);
  *   - cuCtxSetCurrent that fails, at once or after some calls succeed (a context the driver will
  *     not make current, or will not restore);
- *   - events that stay pending until completed by hand (work still running on a stream).
+ *   - events that stay pending until completed by hand (work still running on a stream);
+ *   - fills and device-to-device copies that fail (a device fault in the middle of a call).
+ *
+ * Destroyed streams are kept (marked dead, never freed), so a call that names one is refused and
+ * logged as "DESTROYED STREAM" rather than reading freed memory.
  *
  * The test suites compile this file with the machine's C compiler; nothing in the package loads it.
  */
@@ -39,6 +43,7 @@ enum {
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_LAUNCH_FAILED = 719,
 };
 
 #define MAX_DEVICES 8
@@ -59,6 +64,8 @@ struct standin_event {
 
 struct standin_stream {
     int magic;
+    unsigned int flags;
+    struct standin_stream *next; /* every stream ever made, live or destroyed */
 };
 
 struct allocation {
@@ -70,6 +77,7 @@ struct allocation {
 #define CTX_MAGIC 0x43545821
 #define EVENT_MAGIC 0x45564e54
 #define STREAM_MAGIC 0x5354524d
+#define DEAD_STREAM_MAGIC 0x44454144
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int initialised;
@@ -82,9 +90,11 @@ static long free_delay_us;
 static int failing_set_current;
 static int set_current_before_failing;
 static int events_pending;
+static int failing_copies;
 static struct standin_context primary[MAX_DEVICES];
 static struct standin_context foreign = {CTX_MAGIC, -1, 1};
 static struct standin_event *events;
+static struct standin_stream *streams;
 static struct allocation *allocations;
 static size_t n_allocations, cap_allocations;
 static char *log_buf;
@@ -186,6 +196,7 @@ STANDIN_EXPORT void standin_reset(void) {
     failing_set_current = 0;
     set_current_before_failing = 0;
     events_pending = 0;
+    failing_copies = 0;
     for (struct standin_event *e = events; e; e = e->next) e->complete = 1;
     log_len = 0;
     if (log_buf) log_buf[0] = 0;
@@ -203,6 +214,7 @@ STANDIN_EXPORT void standin_set_failing_set_current_after(int after, int n) {
     failing_set_current = n;
 }
 STANDIN_EXPORT void standin_set_events_pending(int pending) { events_pending = pending; }
+STANDIN_EXPORT void standin_set_failing_copies(int n) { failing_copies = n; }
 STANDIN_EXPORT size_t standin_device_bytes(void) { return device_bytes; }
 STANDIN_EXPORT size_t standin_host_bytes(void) { return host_bytes; }
 /* A context of "another library" (PyTorch, CuPy) to make current around rustws calls. */
@@ -249,6 +261,7 @@ static const char *error_text(CUresult e) {
     case CUDA_ERROR_INVALID_CONTEXT: return "invalid device context";
     case CUDA_ERROR_INVALID_HANDLE: return "invalid resource handle";
     case CUDA_ERROR_NOT_READY: return "device not ready";
+    case CUDA_ERROR_LAUNCH_FAILED: return "unspecified launch failure";
     default: return NULL;
     }
 }
@@ -379,6 +392,10 @@ STANDIN_EXPORT CUresult cuCtxSetCurrent(void *ctx) {
 
 STANDIN_EXPORT CUresult cuCtxSynchronize(void) {
     NEED_CONTEXT("cuCtxSynchronize");
+    pthread_mutex_lock(&lock);
+    for (struct standin_event *e = events; e; e = e->next) e->complete = 1;
+    pthread_mutex_unlock(&lock);
+    note("cuCtxSynchronize ctx=%d", ctx_id(current));
     return CUDA_SUCCESS;
 }
 
@@ -454,6 +471,10 @@ STANDIN_EXPORT CUresult cuMemFree_v2(CUdeviceptr ptr) {
 STANDIN_EXPORT CUresult cuMemHostAlloc(void **out, size_t len, unsigned int flags) {
     NEED_CONTEXT("cuMemHostAlloc");
     if (!out || len == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (len > memory_limit) {
+        note("cuMemHostAlloc %zu OUT_OF_MEMORY", len);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     size_t rounded = (len + 4095) & ~(size_t)4095;
     void *p = aligned_alloc(4096, rounded);
     pthread_mutex_lock(&lock);
@@ -489,8 +510,21 @@ STANDIN_EXPORT CUresult cuMemFreeHost(void *p) {
     return CUDA_SUCCESS;
 }
 
+/* Whether the next fill or device-to-device copy fails (standin_set_failing_copies). */
+static int copy_fails(void) {
+    pthread_mutex_lock(&lock);
+    int fail = failing_copies > 0;
+    if (fail) failing_copies--;
+    pthread_mutex_unlock(&lock);
+    return fail;
+}
+
 STANDIN_EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
     NEED_CONTEXT("cuMemsetD8_v2");
+    if (copy_fails()) {
+        note("cuMemsetD8_v2 %#llx %zu LAUNCH_FAILED (injected)", dst, n);
+        return CUDA_ERROR_LAUNCH_FAILED;
+    }
     if (!in_device_memory(dst, n)) {
         note("cuMemsetD8_v2 %#llx %zu INVALID_VALUE (outside device memory)", dst, n);
         return CUDA_ERROR_INVALID_VALUE;
@@ -524,6 +558,10 @@ STANDIN_EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
 
 STANDIN_EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     NEED_CONTEXT("cuMemcpyDtoD_v2");
+    if (copy_fails()) {
+        note("cuMemcpyDtoD_v2 %#llx %#llx %zu LAUNCH_FAILED (injected)", dst, src, n);
+        return CUDA_ERROR_LAUNCH_FAILED;
+    }
     if (!in_device_memory(dst, n) || !in_device_memory(src, n)) {
         note("cuMemcpyDtoD_v2 %#llx %#llx %zu INVALID_VALUE (outside device memory)", dst, src, n);
         return CUDA_ERROR_INVALID_VALUE;
@@ -536,7 +574,10 @@ STANDIN_EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t
 /* -- streams and events ------------------------------------------------------------------------- */
 static int stream_ok(void *s) {
     uintptr_t v = (uintptr_t)s;
-    return v == 0 || v == 1 || v == 2 || ((struct standin_stream *)s)->magic == STREAM_MAGIC;
+    if (v == 0 || v == 1 || v == 2) return 1;
+    int magic = ((struct standin_stream *)s)->magic;
+    if (magic == DEAD_STREAM_MAGIC) note("DESTROYED STREAM %p used", s);
+    return magic == STREAM_MAGIC;
 }
 
 STANDIN_EXPORT CUresult cuStreamCreate(void **out, unsigned int flags) {
@@ -545,6 +586,11 @@ STANDIN_EXPORT CUresult cuStreamCreate(void **out, unsigned int flags) {
     struct standin_stream *s = malloc(sizeof *s);
     if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
     s->magic = STREAM_MAGIC;
+    s->flags = flags;
+    pthread_mutex_lock(&lock);
+    s->next = streams;
+    streams = s;
+    pthread_mutex_unlock(&lock);
     *out = s;
     note("cuStreamCreate %p flags=%u", (void *)s, flags);
     return CUDA_SUCCESS;
@@ -553,10 +599,17 @@ STANDIN_EXPORT CUresult cuStreamCreate(void **out, unsigned int flags) {
 STANDIN_EXPORT CUresult cuStreamDestroy_v2(void *stream) {
     NEED_CONTEXT("cuStreamDestroy_v2");
     struct standin_stream *s = stream;
-    if ((uintptr_t)stream <= 2 || s->magic != STREAM_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    if ((uintptr_t)stream <= 2 || !stream_ok(stream)) return CUDA_ERROR_INVALID_HANDLE;
     note("cuStreamDestroy_v2 %p", stream);
-    s->magic = 0;
-    free(s);
+    s->magic = DEAD_STREAM_MAGIC; /* kept, never freed: a later use is caught, not undefined */
+    return CUDA_SUCCESS;
+}
+
+STANDIN_EXPORT CUresult cuStreamGetFlags(void *stream, unsigned int *flags) {
+    NEED_CONTEXT("cuStreamGetFlags");
+    if (!flags || !stream_ok(stream)) return CUDA_ERROR_INVALID_HANDLE;
+    *flags = (uintptr_t)stream <= 2 ? 0 : ((struct standin_stream *)stream)->flags;
+    note("cuStreamGetFlags %p flags=%u", stream, *flags);
     return CUDA_SUCCESS;
 }
 

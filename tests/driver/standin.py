@@ -77,6 +77,9 @@ class Driver:
     def set_failing_set_current(self, n: int) -> None:
         self.lib.standin_set_failing_set_current(n)
 
+    def set_failing_copies(self, n: int) -> None:
+        self.lib.standin_set_failing_copies(n)
+
     def set_events_pending(self, pending: bool) -> None:
         self.lib.standin_set_events_pending(int(pending))
 
@@ -103,13 +106,24 @@ class Driver:
         assert self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), ordinal) == 0
         return int(ctx.value or 0)
 
-    def new_stream(self) -> int:
-        """A stream of device 0's primary context (made current on this thread for the call)."""
+    def new_stream(self, non_blocking: bool = True) -> int:
+        """A stream of device 0's primary context (made current on this thread for the call);
+        ``non_blocking`` makes it with ``CU_STREAM_NON_BLOCKING`` (as PyTorch's side streams are),
+        else as CuPy's ``Stream()`` is, ordered by the legacy default stream."""
         previous = self.current_context()
         self.set_current(self.primary_context())
         stream = ctypes.c_void_p()
         try:
-            assert self.lib.cuStreamCreate(ctypes.byref(stream), 1) == 0
+            assert self.lib.cuStreamCreate(ctypes.byref(stream), int(non_blocking)) == 0
         finally:
             self.set_current(previous)
         return int(stream.value or 0)
+
+    def destroy_stream(self, stream: int) -> None:
+        """Destroys a stream of ``new_stream``, as its owner does when done with it."""
+        previous = self.current_context()
+        self.set_current(self.primary_context())
+        try:
+            assert self.lib.cuStreamDestroy_v2(ctypes.c_void_p(stream)) == 0
+        finally:
+            self.set_current(previous)

@@ -3,8 +3,9 @@
 //! [`FaultAdaptor`] wrap an explicit upstream backend, in the manner of RMM's
 //! `*_resource_adaptor`.
 
-/// Under Miri, which runs no `madvise` or `sysconf`: advice is accepted and ignored (it is only
-/// advice) and pages are 4 KiB. Everything else is the real `libc`.
+/// Under Miri, which runs no `madvise`, `sysconf` or `malloc_trim`: advice is accepted and ignored
+/// (it is only advice), pages are 4 KiB, 4 GiB of memory is available, and the C heap keeps its
+/// free memory. Everything else is the real `libc`.
 #[cfg(miri)]
 mod libc {
     pub use ::libc::*;
@@ -17,8 +18,41 @@ mod libc {
 
     /// # Safety
     /// None: a constant is returned.
-    pub unsafe fn sysconf(_name: c_int) -> c_long {
-        4096
+    pub unsafe fn sysconf(name: c_int) -> c_long {
+        match name {
+            _SC_PAGESIZE => 4096,
+            _SC_AVPHYS_PAGES | _SC_PHYS_PAGES => 1 << 20,
+            _ => -1,
+        }
+    }
+
+    /// # Safety
+    /// None: nothing is done.
+    pub unsafe fn malloc_trim(_pad: size_t) -> c_int {
+        0
+    }
+
+    /// The most a mapping may hold under Miri, which aborts on a mapping it cannot hold where the
+    /// kernel would refuse it with `ENOMEM`.
+    const MAP_LIMIT: size_t = 1 << 32;
+
+    /// # Safety
+    /// As for `libc::mmap`.
+    pub unsafe fn mmap(
+        addr: *mut c_void,
+        len: size_t,
+        prot: c_int,
+        flags: c_int,
+        fd: c_int,
+        off: off_t,
+    ) -> *mut c_void {
+        if len > MAP_LIMIT {
+            // SAFETY: the calling thread's errno.
+            unsafe { *__errno_location() = ENOMEM };
+            return MAP_FAILED;
+        }
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { ::libc::mmap(addr, len, prot, flags, fd, off) }
     }
 }
 
@@ -26,6 +60,7 @@ use std::alloc::{self, Layout};
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -44,6 +79,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Maps a zero-filled region of `len` bytes aligned to at least [`BLOCK_ALIGN`]. When
     /// `prefault` is set, every page is resident on return, so that first writes take no fault.
+    /// Every backend refuses `len == 0` (a region holds at least one block header).
     fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, String>;
 
     /// Releases a region.
@@ -77,13 +113,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, String> {
         let p = self.alloc_block(len)?;
         // SAFETY: `p` is a fresh block of `len` bytes, owned by the caller.
-        unsafe { self.zero(p, len) };
+        if let Err(e) = unsafe { self.zero(p, len) } {
+            // SAFETY: allocated just above with `len`, never handed out.
+            unsafe { self.free_block(p, len) };
+            return Err(e);
+        }
         Ok(p)
     }
 
     /// Makes the first `len` bytes of a region resident now (page-aligned, within a region
-    /// mapped by `map` without pre-faulting), so that first writes there take no fault. The
-    /// default does nothing: the pages fault in on first use.
+    /// mapped by `map` without pre-faulting), so that first writes there take no fault. Blocks
+    /// may live in the range (and be written by other threads meanwhile): their bytes are never
+    /// changed. The default does nothing: the pages fault in on first use.
     fn populate(&self, ptr: NonNull<u8>, len: usize) {
         let _ = (ptr, len);
     }
@@ -108,22 +149,26 @@ pub trait Backend: Send + Sync + fmt::Debug {
         BLOCK_ALIGN
     }
 
-    /// Fills `len` bytes at `ptr` with zeros.
+    /// Fills `len` bytes at `ptr` with zeros; `Err` describes a fill the device refused (the
+    /// bytes are then unspecified).
     ///
     /// # Safety
     /// `[ptr, ptr + len)` lies in one live block or region of this backend, owned by the caller.
-    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
+    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
         // SAFETY: the caller guarantees the range is ours and host-accessible for host backends.
-        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) }
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
+        Ok(())
     }
 
-    /// Copies `len` bytes from `src` to `dst` (both this backend's memory, not overlapping).
+    /// Copies `len` bytes from `src` to `dst` (both this backend's memory, not overlapping);
+    /// `Err` describes a copy the device refused (`dst` is then unspecified, `src` unchanged).
     ///
     /// # Safety
     /// Both ranges lie in live blocks of this backend owned by the caller and do not overlap.
-    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
+    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
         // SAFETY: as the caller guarantees.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), len) }
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), len) };
+        Ok(())
     }
 
     /// Copies `len` bytes of this backend's memory at `src` into host memory at `dst`; `Err`
@@ -168,30 +213,119 @@ fn page_size() -> usize {
     }
 }
 
-/// Makes every page of a fresh mapping resident and writable. Only `EINVAL` (a kernel before
-/// 5.14, which does not know `MADV_POPULATE_WRITE`) falls back to touching each page; any other
-/// refusal (`ENOMEM` under a memory limit, `EFAULT` / `EIO` for a file without backing store) is
-/// an error: touching would turn it into the OOM killer or a `SIGBUS`.
-fn try_prefault(ptr: NonNull<u8>, len: usize) -> Result<(), String> {
-    const MADV_POPULATE_WRITE: libc::c_int = 23;
-    // SAFETY: [ptr, ptr+len) is one mapping we own; the advice only populates pages.
-    let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_POPULATE_WRITE) };
-    if rc == 0 {
-        return Ok(());
+/// Bytes of physical memory free right now (`sysconf(_SC_AVPHYS_PAGES)`), or `usize::MAX` when
+/// the system does not say.
+pub fn available_memory() -> usize {
+    // SAFETY: plain queries without preconditions.
+    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_AVPHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    if pages > 0 && size > 0 {
+        (pages as usize).saturating_mul(size as usize)
+    } else {
+        usize::MAX
     }
-    let err = std::io::Error::last_os_error();
+}
+
+/// `madvise` advice that faults pages in writable without writing them (Linux 5.14).
+const MADV_POPULATE_WRITE: libc::c_int = 23;
+
+/// Set by [`testing::refuse_populate_write`]: pre-faulting acts as on a kernel that refuses
+/// `MADV_POPULATE_WRITE`.
+static POPULATE_WRITE_REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Pages touched by the fallback of [`try_prefault`] so far.
+static PAGES_TOUCHED: AtomicU64 = AtomicU64::new(0);
+
+/// Switches for tests of the paths a machine may not take by itself.
+#[doc(hidden)]
+pub mod testing {
+    use std::sync::atomic::Ordering;
+
+    /// Makes pre-faulting act as on a kernel without `MADV_POPULATE_WRITE` (before 5.14, or
+    /// gVisor): every page is touched instead.
+    pub fn refuse_populate_write(refuse: bool) {
+        super::POPULATE_WRITE_REFUSED.store(refuse, Ordering::Relaxed);
+    }
+
+    /// Pages the touching fallback of pre-faulting has touched in this process.
+    pub fn pages_touched() -> u64 {
+        super::PAGES_TOUCHED.load(Ordering::Relaxed)
+    }
+}
+
+/// Makes every page of `[ptr, ptr + len)` resident and writable. Only `EINVAL` (a kernel before
+/// 5.14, which does not know `MADV_POPULATE_WRITE`, or gVisor) falls back to touching each page;
+/// any other refusal (`ENOMEM` under a memory limit, `EFAULT` / `EIO` for a file without backing
+/// store) is an error: touching would turn it into the OOM killer or a `SIGBUS`.
+///
+/// The range may hold live blocks (an arena pre-faults when a cycle opens, with blocks made
+/// between cycles in use, possibly written by other threads), so the fallback never changes a
+/// byte: see [`touch_for_write`].
+fn try_prefault(ptr: NonNull<u8>, len: usize) -> Result<(), String> {
+    let rc = if POPULATE_WRITE_REFUSED.load(Ordering::Relaxed) {
+        Err(std::io::Error::from_raw_os_error(libc::EINVAL))
+    } else {
+        // SAFETY: [ptr, ptr+len) is one mapping we own; the advice only populates pages.
+        match unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_POPULATE_WRITE) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    };
+    let Err(err) = rc else { return Ok(()) };
     if err.raw_os_error() != Some(libc::EINVAL) {
         return Err(format!("cannot make {len} bytes resident: {err}"));
     }
-    // The mapping is zero-filled, so writing zero leaves its contents unchanged.
     let page = page_size();
     let mut off = 0;
     while off < len {
-        // SAFETY: off < len, inside the mapping; volatile so the write is not elided.
-        unsafe { std::ptr::write_volatile(ptr.as_ptr().add(off), 0) };
+        // SAFETY: `off < len` lies inside the mapping, and `off` is a multiple of the page size
+        // from a page-aligned start, so the word there is aligned.
+        unsafe { touch_for_write(ptr.as_ptr().add(off)) };
+        PAGES_TOUCHED.fetch_add(1, Ordering::Relaxed);
         off += page;
     }
     Ok(())
+}
+
+/// Faults the page of `p` in for writing without changing it: an atomic read-modify-write of
+/// the word at `p` that writes back what it read (a locked `or` of 0 on x86-64, a load-exclusive /
+/// store-exclusive pair on AArch64, a compare-exchange of the value with itself elsewhere). A
+/// write of zero would destroy a live block's bytes, and a plain read maps only the shared zero
+/// page; a concurrent writer's store is never lost, since the hardware makes the
+/// read-modify-write atomic with respect to every other access to the word.
+///
+/// # Safety
+/// `p` is 8-byte aligned and lies in a mapping of this process, readable and writable.
+#[inline]
+unsafe fn touch_for_write(p: *mut u8) {
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    // SAFETY: the caller guarantees `p` is an aligned word of a writable mapping; `lock or` of 0
+    // leaves it as it is, atomically.
+    unsafe {
+        std::arch::asm!("lock or qword ptr [{p}], 0", p = in(reg) p, options(nostack));
+    }
+    #[cfg(all(target_arch = "aarch64", not(miri)))]
+    // SAFETY: as above; the store-exclusive writes back the value its load-exclusive read, and
+    // fails (to retry) if anything else wrote the word in between.
+    unsafe {
+        std::arch::asm!(
+            "2:",
+            "ldxr {v}, [{p}]",
+            "stxr {s:w}, {v}, [{p}]",
+            "cbnz {s:w}, 2b",
+            p = in(reg) p,
+            v = out(reg) _,
+            s = out(reg) _,
+            options(nostack),
+        );
+    }
+    #[cfg(any(miri, not(any(target_arch = "x86_64", target_arch = "aarch64"))))]
+    {
+        // SAFETY: the caller guarantees an aligned word of a writable mapping; a compare-exchange
+        // of the value with itself changes nothing (and one that fails found the page written).
+        let word = unsafe { AtomicU64::from_ptr(p.cast::<u64>()) };
+        let v = word.load(Ordering::Relaxed);
+        let _ = word.compare_exchange(v, v, Ordering::Relaxed, Ordering::Relaxed);
+    }
 }
 
 /// Prefaults where the system allows it; a refusal leaves the pages to fault in on first use.
@@ -202,6 +336,9 @@ fn prefault(ptr: NonNull<u8>, len: usize) {
 fn mmap_checked(len: usize, prot: libc::c_int, flags: libc::c_int, fd: libc::c_int) -> Result<NonNull<u8>, String> {
     if len == 0 {
         return Err("cannot map 0 bytes".to_string());
+    }
+    if len > isize::MAX as usize {
+        return Err(format!("cannot map {len} bytes: more than an address space holds"));
     }
     // SAFETY: a fresh mapping at an address the kernel chooses; no existing memory is affected.
     let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) };
@@ -328,41 +465,66 @@ fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, String> {
     Ok(block)
 }
 
-/// Memory mapped from a file. Each region gets a file of its own, so regions never share pages:
-/// a folder `path` gets a new file per region, unlinked at once (it disappears with its
-/// mapping); a file `path` is used by one region at a time across every process (held with an
-/// exclusive `flock`, truncated and kept afterwards), and further regions get unlinked files
-/// beside it. A region's blocks are reserved on the file system when it is mapped
-/// (`posix_fallocate`), so a full file system is an error then, never a `SIGBUS` later.
+/// Memory mapped from a file. Each region gets a file of its own, so regions never share pages,
+/// and the workspace never writes a file it did not create:
 ///
-/// After `fork()` the child's copies of the regions are made private (anonymous memory holding the
-/// same contents): a `MAP_SHARED` mapping would otherwise let the child and the parent carve,
-/// write and free the same blocks.
+/// - a folder `path` gets a new file per region, unlinked at once (it disappears with its
+///   mapping);
+/// - a file `path` that does not exist is created (exclusively: `O_CREAT | O_EXCL`) for one region
+///   and removed when that region is released; while it exists (mapped by another region, or
+///   another process, or a file of someone else's) further regions get unlinked files beside it,
+///   and the existing file is never opened for writing, truncated or removed.
+///
+/// A region's blocks are reserved on the file system when it is mapped (`posix_fallocate`), so a
+/// full file system is an error then, never a `SIGBUS` later.
+///
+/// At `fork()` the regions are copied, in the prepare handler, into private anonymous memory, and
+/// the child's copies of the shared mappings are replaced by those snapshots before the child
+/// runs any code: the child sees exactly what its parent had when it forked, and the two
+/// processes never carve, write or free each other's blocks.
 #[derive(Debug)]
 pub struct FileMappedMemory {
     path: PathBuf,
-    /// Open files by mapping address, with the named path they hold, if any.
-    files: std::sync::Mutex<Vec<(usize, File, Option<PathBuf>)>>,
+    /// Open files by mapping address, with the named path each created, if any.
+    files: std::sync::Mutex<Vec<(usize, File, Option<CreatedFile>)>>,
+}
+
+/// A named file a region created: removed when the region is released, by the process that
+/// created it (a forked child inherits the record but not the file).
+#[derive(Debug)]
+struct CreatedFile {
+    path: PathBuf,
+    pid: u32,
 }
 
 static FILE_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// Named files mapped right now by any `FileMappedMemory` of this process.
+/// Named files created and mapped right now by any `FileMappedMemory` of this process.
 static NAMED_FILES_IN_USE: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
-/// Every file-backed region of this process, `(address, length)`, for the child side of `fork()`.
-/// A spin lock rather than a mutex: `fork()` takes it in its prepare handler and both sides release
-/// it, which a std mutex guard cannot express.
-struct SharedRegions {
-    busy: std::sync::atomic::AtomicBool,
-    regions: std::cell::UnsafeCell<Vec<(usize, usize)>>,
+/// Every file-backed region of this process, `(address, length)`, and their snapshots while a
+/// `fork()` is under way.
+struct RegionTable {
+    regions: Vec<(usize, usize)>,
+    /// The private copy of each region made by `before_fork` (0: none could be made); reserved
+    /// as regions are added, so the fork handlers do not allocate.
+    snapshots: Vec<usize>,
 }
 
-// SAFETY: `regions` is only reached through `with`, under `busy`.
+/// [`RegionTable`] behind a spin lock rather than a mutex: `fork()` takes it in its prepare
+/// handler and both sides release it, which a std mutex guard cannot express.
+struct SharedRegions {
+    busy: std::sync::atomic::AtomicBool,
+    table: std::cell::UnsafeCell<RegionTable>,
+}
+
+// SAFETY: `table` is only reached through `with` or the fork handlers, under `busy`.
 unsafe impl Sync for SharedRegions {}
 
-static SHARED_REGIONS: SharedRegions =
-    SharedRegions { busy: std::sync::atomic::AtomicBool::new(false), regions: std::cell::UnsafeCell::new(Vec::new()) };
+static SHARED_REGIONS: SharedRegions = SharedRegions {
+    busy: std::sync::atomic::AtomicBool::new(false),
+    table: std::cell::UnsafeCell::new(RegionTable { regions: Vec::new(), snapshots: Vec::new() }),
+};
 
 impl SharedRegions {
     fn acquire(&self) {
@@ -375,41 +537,64 @@ impl SharedRegions {
         self.busy.store(false, Ordering::Release);
     }
 
-    fn with<R>(&self, f: impl FnOnce(&mut Vec<(usize, usize)>) -> R) -> R {
+    fn with<R>(&self, f: impl FnOnce(&mut RegionTable) -> R) -> R {
         self.acquire();
-        // SAFETY: `busy` is held, so this is the only reference to the vector.
-        let r = f(unsafe { &mut *self.regions.get() });
+        // SAFETY: `busy` is held, so this is the only reference to the table.
+        let r = f(unsafe { &mut *self.table.get() });
         self.release();
         r
     }
 }
 
+/// Prepare handler: takes the table's lock (held across `fork()`) and snapshots every region into
+/// private anonymous memory, which the child inherits (copy-on-write) as it is at this point.
 extern "C" fn before_fork() {
     SHARED_REGIONS.acquire();
+    // SAFETY: `busy` is held until one of the after-fork handlers releases it.
+    let table = unsafe { &mut *SHARED_REGIONS.table.get() };
+    table.snapshots.clear();
+    for &(addr, len) in &table.regions {
+        // SAFETY: each entry is a live mapping of ours (entries are removed before unmapping).
+        let copy = unsafe { snapshot(addr as *const u8, len) };
+        // Capacity was reserved as regions were added: this does not allocate.
+        table.snapshots.push(copy);
+    }
 }
 
 extern "C" fn after_fork_in_parent() {
+    // SAFETY: `before_fork` holds `busy` for this thread.
+    let table = unsafe { &mut *SHARED_REGIONS.table.get() };
+    for (&(_, len), &copy) in table.regions.iter().zip(&table.snapshots) {
+        if copy != 0 {
+            // SAFETY: `copy` is the snapshot `before_fork` mapped with `len` bytes; only the child
+            // uses its own copy of it.
+            unsafe { libc::munmap(copy as *mut libc::c_void, len) };
+        }
+    }
+    table.snapshots.clear();
     SHARED_REGIONS.release();
 }
 
 extern "C" fn after_fork_in_child() {
     // SAFETY: `before_fork` acquired the lock in the thread that forked, the only thread of the
-    // child; the vector is not reached otherwise until `release`.
-    let regions = unsafe { &*SHARED_REGIONS.regions.get() };
-    for &(addr, len) in regions {
-        // SAFETY: each entry is a live mapping of ours (entries are removed before unmapping).
-        unsafe { privatize(addr as *mut libc::c_void, len) };
+    // child; the table is not reached otherwise until `release`.
+    let table = unsafe { &mut *SHARED_REGIONS.table.get() };
+    for (&(addr, len), &copy) in table.regions.iter().zip(&table.snapshots) {
+        // SAFETY: each entry is a live mapping of ours and `copy` its snapshot (or 0).
+        unsafe { replace_with_snapshot(addr as *mut libc::c_void, len, copy as *mut libc::c_void) };
     }
+    // The child's regions are private memory now: a later fork of the child copies none of them.
+    table.regions.clear();
+    table.snapshots.clear();
     SHARED_REGIONS.release();
 }
 
-/// Replaces the shared mapping `[addr, addr + len)` with private anonymous memory holding the same
-/// contents. Where that is impossible (no memory for the copy), the region is made inaccessible:
-/// a child that touches it faults instead of corrupting its parent.
+/// A private anonymous copy of the `len` bytes at `addr`, as an address (0 when no memory could
+/// be mapped for it).
 ///
 /// # Safety
-/// `[addr, addr + len)` is one whole mapping, and no other thread runs (the child of `fork()`).
-unsafe fn privatize(addr: *mut libc::c_void, len: usize) {
+/// `[addr, addr + len)` is a readable mapping.
+unsafe fn snapshot(addr: *const u8, len: usize) -> usize {
     // SAFETY: a fresh private mapping at an address the kernel chooses.
     let copy = unsafe {
         libc::mmap(
@@ -422,21 +607,32 @@ unsafe fn privatize(addr: *mut libc::c_void, len: usize) {
         )
     };
     if copy == libc::MAP_FAILED {
-        // SAFETY: the caller guarantees this is one of our mappings.
-        unsafe { libc::mprotect(addr, len, libc::PROT_NONE) };
-        return;
+        return 0;
     }
     // SAFETY: both are live mappings of `len` bytes and do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, copy as *mut u8, len) };
-    // SAFETY: moves the private copy over the shared mapping, which the kernel unmaps; same length.
-    let moved = unsafe { libc::mremap(copy, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, addr) };
-    if moved == libc::MAP_FAILED {
-        // SAFETY: `copy` is ours and unused; `addr` is the caller's mapping.
-        unsafe {
-            libc::munmap(copy, len);
-            libc::mprotect(addr, len, libc::PROT_NONE);
+    unsafe { std::ptr::copy_nonoverlapping(addr, copy.cast::<u8>(), len) };
+    copy as usize
+}
+
+/// Moves the snapshot `copy` over the shared mapping `[addr, addr + len)` (which the kernel
+/// unmaps). Where there is no snapshot, or the move fails, the region is made inaccessible: a
+/// child that touches it faults instead of corrupting its parent.
+///
+/// # Safety
+/// `[addr, addr + len)` is one whole mapping, `copy` a private mapping of `len` bytes or null,
+/// and no other thread runs (the child of `fork()`).
+unsafe fn replace_with_snapshot(addr: *mut libc::c_void, len: usize, copy: *mut libc::c_void) {
+    if !copy.is_null() {
+        // SAFETY: moves our private copy over the caller's mapping; same length.
+        let moved = unsafe { libc::mremap(copy, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, addr) };
+        if moved != libc::MAP_FAILED {
+            return;
         }
+        // SAFETY: `copy` is ours and unused.
+        unsafe { libc::munmap(copy, len) };
     }
+    // SAFETY: the caller guarantees this is one of our mappings.
+    unsafe { libc::mprotect(addr, len, libc::PROT_NONE) };
 }
 
 fn register_fork_handlers() {
@@ -448,21 +644,6 @@ fn register_fork_handlers() {
         // SAFETY: the handlers are plain functions that neither allocate nor unwind.
         unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_in_parent), Some(after_fork_in_child)) };
     });
-}
-
-/// Whether `file` could be locked exclusively (`flock`); Err for failures other than "held".
-fn try_lock(file: &File) -> Result<bool, String> {
-    // SAFETY: a valid open descriptor; the lock lives with the open file description.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(true);
-    }
-    let err = std::io::Error::last_os_error();
-    match err.raw_os_error() {
-        Some(libc::EWOULDBLOCK) => Ok(false),
-        // A file system without locks: the process-wide list still protects this process.
-        Some(libc::ENOLCK) | Some(libc::EOPNOTSUPP) => Ok(true),
-        _ => Err(format!("cannot lock: {err}")),
-    }
 }
 
 /// Reserves `len` bytes of `file` on its file system.
@@ -498,14 +679,15 @@ impl FileMappedMemory {
             .read(true)
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&full)
             .map_err(|e| format!("cannot create {}: {e}", full.display()))?;
         let _ = std::fs::remove_file(&full);
         Ok(f)
     }
 
-    /// The file for a new region, and the named path it holds (to release at unmap).
-    fn open(&self) -> Result<(File, Option<PathBuf>), String> {
+    /// The file for a new region, and the named file it created, if any.
+    fn open(&self) -> Result<(File, Option<CreatedFile>), String> {
         if self.path.is_dir() {
             return Ok((Self::unnamed_in(&self.path, "rustws")?, None));
         }
@@ -519,34 +701,39 @@ impl FileMappedMemory {
         let stem = file_name.to_string_lossy().into_owned();
         let mut in_use = NAMED_FILES_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
         if in_use.contains(&canonical) {
-            // Another region maps the named file: truncating or sharing it would clobber live
-            // blocks, so this region gets a file of its own beside it.
+            // Another region of this process maps the named file.
             drop(in_use);
             return Ok((Self::unnamed_in(&parent, &stem)?, None));
         }
-        // Not truncated before the lock is ours: another process may map it.
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&canonical)
-            .map_err(|e| format!("cannot open {}: {e}", canonical.display()))?;
-        if !try_lock(&f).map_err(|e| format!("{}: {e}", canonical.display()))? {
-            // Another process maps the named file.
-            drop(in_use);
-            return Ok((Self::unnamed_in(&parent, &stem)?, None));
+        // Only a file this call creates is ever written: an existing one belongs to someone else
+        // (a user's data, or a region of another process).
+        match OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&canonical) {
+            Ok(f) => {
+                in_use.push(canonical.clone());
+                Ok((f, Some(CreatedFile { path: canonical, pid: std::process::id() })))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                drop(in_use);
+                Ok((Self::unnamed_in(&parent, &stem)?, None))
+            }
+            Err(e) => Err(format!("cannot create {}: {e}", canonical.display())),
         }
-        f.set_len(0).map_err(|e| format!("cannot truncate {}: {e}", canonical.display()))?;
-        in_use.push(canonical.clone());
-        Ok((f, Some(canonical)))
     }
 
-    fn release_name(name: Option<PathBuf>) {
-        if let Some(name) = name {
-            let mut in_use = NAMED_FILES_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
-            in_use.retain(|p| *p != name);
+    /// Releases a region's file: a named file it created is removed (by its creator, and only if
+    /// the path still names that file) and leaves the list of names in use.
+    fn release_file(file: File, created: Option<CreatedFile>) {
+        let Some(created) = created else { return };
+        if created.pid == std::process::id() {
+            let ours = file.metadata().ok().map(|m| (m.dev(), m.ino()));
+            let named = std::fs::symlink_metadata(&created.path).ok().map(|m| (m.dev(), m.ino()));
+            if ours.is_some() && ours == named {
+                let _ = std::fs::remove_file(&created.path);
+            }
         }
+        drop(file);
+        let mut in_use = NAMED_FILES_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+        in_use.retain(|p| *p != created.path);
     }
 }
 
@@ -559,8 +746,8 @@ impl Backend for FileMappedMemory {
         if len == 0 {
             return Err("cannot map 0 bytes".to_string());
         }
-        let (file, name) = self.open()?;
-        let shown = name.clone().unwrap_or_else(|| self.path.clone());
+        let (file, created) = self.open()?;
+        let shown = created.as_ref().map_or_else(|| self.path.clone(), |c| c.path.clone());
         let mapped = reserve(&file, len, &shown)
             .and_then(|()| mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd()))
             .and_then(|ptr| {
@@ -575,15 +762,16 @@ impl Backend for FileMappedMemory {
         let ptr = match mapped {
             Ok(p) => p,
             Err(e) => {
-                if name.is_some() {
-                    let _ = file.set_len(0);
-                }
-                Self::release_name(name);
+                Self::release_file(file, created);
                 return Err(e);
             }
         };
-        SHARED_REGIONS.with(|r| r.push((ptr.as_ptr() as usize, len)));
-        self.files.lock().unwrap_or_else(|e| e.into_inner()).push((ptr.as_ptr() as usize, file, name));
+        SHARED_REGIONS.with(|t| {
+            t.regions.push((ptr.as_ptr() as usize, len));
+            let want = t.regions.len();
+            t.snapshots.reserve(want.saturating_sub(t.snapshots.len()));
+        });
+        self.files.lock().unwrap_or_else(|e| e.into_inner()).push((ptr.as_ptr() as usize, file, created));
         Ok(ptr)
     }
 
@@ -591,13 +779,15 @@ impl Backend for FileMappedMemory {
     /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
         let addr = ptr.as_ptr() as usize;
-        SHARED_REGIONS.with(|r| r.retain(|&(a, _)| a != addr));
+        SHARED_REGIONS.with(|t| t.regions.retain(|&(a, _)| a != addr));
         // SAFETY: the caller guarantees this is one whole mapping of ours, no longer used.
         unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
-        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = files.iter().position(|(p, ..)| *p == addr) {
-            let (_, _, name) = files.swap_remove(i);
-            Self::release_name(name);
+        let entry = {
+            let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+            files.iter().position(|(p, ..)| *p == addr).map(|i| files.swap_remove(i))
+        };
+        if let Some((_, file, created)) = entry {
+            Self::release_file(file, created);
         }
     }
 }
@@ -613,7 +803,10 @@ impl Backend for HeapMemory {
     }
 
     fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
-        let layout = Layout::from_size_align(len.max(1), 4096).map_err(|e| e.to_string())?;
+        if len == 0 {
+            return Err("cannot map 0 bytes".to_string());
+        }
+        let layout = Layout::from_size_align(len, 4096).map_err(|e| format!("cannot map {len} bytes: {e}"))?;
         // SAFETY: non-zero size.
         NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| format!("the heap refused {len} bytes"))
     }
@@ -621,7 +814,7 @@ impl Backend for HeapMemory {
     /// # Safety
     /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
-        let layout = Layout::from_size_align(len.max(1), 4096).expect("layout was valid at map");
+        let layout = Layout::from_size_align(len, 4096).expect("layout was valid at map");
         // SAFETY: the caller guarantees `ptr` came from `map` with this length.
         unsafe { alloc::dealloc(ptr.as_ptr(), layout) }
     }
@@ -686,14 +879,14 @@ macro_rules! forward_data_access {
 
         /// # Safety
         /// As for [`Backend::zero`].
-        unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
+        unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
             // SAFETY: forwarded with the caller's guarantee.
             unsafe { self.upstream.zero(ptr, len) }
         }
 
         /// # Safety
         /// As for [`Backend::copy`].
-        unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
+        unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
             // SAFETY: forwarded with the caller's guarantee.
             unsafe { self.upstream.copy(dst, src, len) }
         }
@@ -921,10 +1114,17 @@ impl Backend for FaultAdaptor {
     forward_data_access!();
 }
 
-/// Rounds `n` up to a multiple of the system page size.
-pub fn round_to_page(n: usize) -> usize {
+/// `n` rounded up to a multiple of the system page size, or None when that does not fit a
+/// `usize`.
+pub fn checked_round_to_page(n: usize) -> Option<usize> {
     let p = page_size();
-    n.div_ceil(p) * p
+    n.div_ceil(p).checked_mul(p)
+}
+
+/// `n` rounded up to a multiple of the system page size; `usize::MAX` (a length no backend maps
+/// or allocates, so the request fails cleanly) when that does not fit a `usize`.
+pub fn round_to_page(n: usize) -> usize {
+    checked_round_to_page(n).unwrap_or(usize::MAX)
 }
 
 /// The system page size.
@@ -972,9 +1172,11 @@ mod tests {
     #[cfg_attr(miri, ignore = "Miri maps no files")]
     fn regions_from_one_named_file_never_share_pages() {
         let named = std::env::temp_dir().join(format!("rustws-shared-{}.bin", std::process::id()));
+        let _ = std::fs::remove_file(&named);
         let (a, b) = (FileMappedMemory::new(&named), FileMappedMemory::new(&named));
         let len = round_to_page(1 << 16);
         let p = a.map(len, false).unwrap();
+        assert_eq!(std::fs::metadata(&named).unwrap().len() as usize, len, "the first region is the named file");
         let q = a.map(len, false).unwrap(); // a second region of the same backend
         let r = b.map(len, false).unwrap(); // a region of another workspace on the same path
                                             // SAFETY: three live mappings of `len` bytes each.
@@ -984,40 +1186,136 @@ mod tests {
             r.as_ptr().write_bytes(3, len);
             assert!(std::slice::from_raw_parts(p.as_ptr(), len).iter().all(|&x| x == 1));
             assert!(std::slice::from_raw_parts(q.as_ptr(), len).iter().all(|&x| x == 2));
-            a.unmap(p, len);
             a.unmap(q, len);
             b.unmap(r, len);
         }
-        // Released: the named file can be mapped again.
+        assert!(named.exists(), "the named file lives while its region does");
+        // SAFETY: mapped above.
+        unsafe { a.unmap(p, len) };
+        assert!(!named.exists(), "the file the workspace created is removed with its region");
+        // Released: the named file can be made again.
         let again = a.map(len, false).unwrap();
+        assert!(named.exists());
         // SAFETY: mapped above.
         unsafe { a.unmap(again, len) };
-        assert_eq!(std::fs::metadata(&named).unwrap().len() as usize, len);
-        let _ = std::fs::remove_file(named);
+        assert!(!named.exists());
     }
 
     #[test]
     #[cfg_attr(miri, ignore = "Miri maps no files")]
-    fn a_named_file_locked_by_another_process_is_left_alone() {
-        let named = std::env::temp_dir().join(format!("rustws-locked-{}.bin", std::process::id()));
-        std::fs::write(&named, b"held by another process").unwrap();
-        // Another open file description holding the lock stands for another process.
-        let other = OpenOptions::new().read(true).write(true).open(&named).unwrap();
-        assert!(try_lock(&other).unwrap());
+    fn an_existing_file_is_never_written_truncated_or_removed() {
+        let named = std::env::temp_dir().join(format!("rustws-existing-{}.npy", std::process::id()));
+        let data: Vec<u8> = (0..208u32).map(|i| i as u8).collect();
+        std::fs::write(&named, &data).unwrap();
         let b = FileMappedMemory::new(&named);
         let len = round_to_page(1 << 16);
-        let p = b.map(len, true).unwrap();
-        // SAFETY: mapped above, `len` bytes.
-        unsafe { p.as_ptr().write_bytes(9, len) };
-        assert_eq!(std::fs::read(&named).unwrap(), b"held by another process");
-        // SAFETY: mapped above.
-        unsafe { b.unmap(p, len) };
-        drop(other); // the lock goes with the last descriptor: the next region gets the file
-        let q = b.map(len, false).unwrap();
-        assert_eq!(std::fs::metadata(&named).unwrap().len() as usize, len);
-        // SAFETY: mapped above.
-        unsafe { b.unmap(q, len) };
+        for prefault in [false, true] {
+            let p = b.map(len, prefault).unwrap();
+            // SAFETY: mapped above, `len` bytes.
+            unsafe { p.as_ptr().write_bytes(9, len) };
+            assert_eq!(std::fs::read(&named).unwrap(), data, "a file the workspace did not create was written");
+            // SAFETY: mapped above.
+            unsafe { b.unmap(p, len) };
+            assert_eq!(std::fs::read(&named).unwrap(), data, "a file the workspace did not create was changed");
+        }
         let _ = std::fs::remove_file(named);
+    }
+
+    #[test]
+    fn no_backend_maps_zero_bytes_or_a_length_that_overflows() {
+        let backends: Vec<Arc<dyn Backend>> = vec![
+            Arc::new(AnonymousMemory),
+            Arc::new(HeapMemory),
+            Arc::new(OpaqueMemory),
+            Arc::new(LimitAdaptor::new(Arc::new(HeapMemory), usize::MAX)),
+            Arc::new(FaultAdaptor::fail_nth(Arc::new(HeapMemory), u64::MAX, libc::ENOMEM)),
+        ];
+        for b in &backends {
+            assert!(b.map(0, false).is_err(), "{}: mapped 0 bytes", b.name());
+            assert!(b.map(0, true).is_err(), "{}: mapped 0 bytes", b.name());
+            for len in [usize::MAX, usize::MAX - 4095, isize::MAX as usize + 1, round_to_page(usize::MAX - 1)] {
+                assert!(b.map(len, false).is_err(), "{}: mapped {len} bytes", b.name());
+            }
+            for len in [usize::MAX, usize::MAX - 63, isize::MAX as usize] {
+                assert!(b.alloc_block(len).is_err(), "{}: allocated {len} bytes", b.name());
+                assert!(b.alloc_block_zeroed(len).is_err(), "{}: allocated {len} bytes", b.name());
+            }
+        }
+        #[cfg(not(miri))]
+        {
+            let dir = FileMappedMemory::new(std::env::temp_dir());
+            assert!(dir.map(0, false).is_err());
+            assert!(dir.map(usize::MAX, false).is_err());
+        }
+    }
+
+    #[test]
+    fn page_rounding_never_wraps() {
+        let page = page_size();
+        assert_eq!(round_to_page(0), 0);
+        assert_eq!(round_to_page(1), page);
+        assert_eq!(round_to_page(page), page);
+        assert_eq!(checked_round_to_page(usize::MAX), None);
+        assert_eq!(checked_round_to_page(usize::MAX - page + 2), None);
+        assert_eq!(checked_round_to_page(usize::MAX / page * page), Some(usize::MAX / page * page));
+        for n in [usize::MAX, usize::MAX - 1, usize::MAX - page, usize::MAX / page * page + 1] {
+            assert!(round_to_page(n) >= n, "round_to_page({n}) = {} is smaller", round_to_page(n));
+        }
+    }
+
+    /// The fallback of pre-faulting (kernels without `MADV_POPULATE_WRITE`) runs over memory
+    /// that holds live blocks: every byte stays as it was, whatever page it is on.
+    #[test]
+    fn touching_pages_for_a_refused_populate_never_changes_a_byte() {
+        let page = page_size();
+        let len = 16 * page;
+        let p = AnonymousMemory.map(len, false).unwrap();
+        // SAFETY: a fresh mapping of `len` bytes.
+        let s = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), len) };
+        for (i, x) in s.iter_mut().enumerate().filter(|(i, _)| (i / page) % 3 != 2) {
+            *x = (i % 251) as u8 + 1; // live blocks on two pages of three, page starts included
+        }
+        let before = s.to_vec();
+        testing::refuse_populate_write(true);
+        let touched = testing::pages_touched();
+        AnonymousMemory.populate(p, len);
+        testing::refuse_populate_write(false);
+        assert!(testing::pages_touched() >= touched + 16, "the fallback did not run");
+        // SAFETY: as above.
+        let s = unsafe { std::slice::from_raw_parts(p.as_ptr(), len) };
+        assert!(s == before.as_slice(), "pre-faulting changed live bytes");
+        // SAFETY: mapped above.
+        unsafe { AnonymousMemory.unmap(p, len) };
+    }
+
+    /// A word written by another thread while its page is touched keeps the last value written.
+    #[test]
+    #[cfg_attr(miri, ignore = "the writer's plain stores race the touch by design")]
+    fn touching_a_page_never_loses_a_concurrent_write() {
+        let page = page_size();
+        let p = AnonymousMemory.map(page, true).unwrap();
+        let addr = p.as_ptr() as usize;
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        const WRITES: u64 = 2_000_000;
+        let writer = {
+            let done = done.clone();
+            std::thread::spawn(move || {
+                for i in 1..=WRITES {
+                    // SAFETY: the page is mapped until both threads are done.
+                    unsafe { std::ptr::write_volatile(addr as *mut u64, i) };
+                }
+                done.store(true, Ordering::Release);
+            })
+        };
+        while !done.load(Ordering::Acquire) {
+            // SAFETY: an aligned word of our writable mapping.
+            unsafe { touch_for_write(addr as *mut u8) };
+        }
+        writer.join().unwrap();
+        // SAFETY: as above; the writer has finished.
+        assert_eq!(unsafe { std::ptr::read_volatile(addr as *const u64) }, WRITES);
+        // SAFETY: mapped above.
+        unsafe { AnonymousMemory.unmap(p, page) };
     }
 
     #[test]

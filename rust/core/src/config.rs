@@ -250,6 +250,17 @@ impl WorkspaceConfiguration {
                 ));
             }
         }
+        if self.temp_block_size % crate::backend::BLOCK_ALIGN as u64 != 0 {
+            let up = self.temp_block_size.next_multiple_of(crate::backend::BLOCK_ALIGN as u64);
+            return Err(invalid(
+                "temp_block_size",
+                format!(
+                    "must be a multiple of {} bytes (the block alignment), got {} (use {up})",
+                    crate::backend::BLOCK_ALIGN,
+                    self.temp_block_size
+                ),
+            ));
+        }
         if !self.overallocation_limit.is_finite() || self.overallocation_limit < 0.0 {
             return Err(invalid(
                 "overallocation_limit",
@@ -313,27 +324,69 @@ impl WorkspaceConfiguration {
     }
 }
 
+/// Whether `temp_file_path` can hold memory-mapped regions: a folder that can hold new files (a
+/// file per region is made in it), or a path in such a folder naming nothing yet (created for a
+/// region, removed with it) or a regular file (never written: regions get files beside it).
+/// Devices, FIFOs, sockets, paths with a NUL byte, symlink loops and locations where no file can
+/// be made (permission denied, a read-only file system) are refused here, naming the field,
+/// rather than failing later as out-of-memory errors.
 fn check_usable_path(p: &std::path::Path) -> Result<(), Error> {
+    use std::os::unix::ffi::OsStrExt;
+    let bad = |message: String| invalid("temp_file_path", message);
     if p.as_os_str().is_empty() {
-        return Err(invalid("temp_file_path", "is empty".to_string()));
+        return Err(bad("is empty".to_string()));
     }
-    let dir = if p.is_dir() {
-        p.to_path_buf()
-    } else {
-        match p.parent() {
-            Some(parent) if parent.as_os_str().is_empty() => PathBuf::from("."),
-            Some(parent) => parent.to_path_buf(),
-            None => return Err(invalid("temp_file_path", format!("{} has no parent folder", p.display()))),
-        }
+    if p.as_os_str().as_bytes().contains(&0) {
+        return Err(bad(format!("{:?} contains a NUL byte", p.as_os_str())));
+    }
+    let parent_of = |p: &std::path::Path| match p.parent() {
+        Some(parent) if parent.as_os_str().is_empty() => Ok(PathBuf::from(".")),
+        Some(parent) => Ok(parent.to_path_buf()),
+        None => Err(bad(format!("{} has no parent folder", p.display()))),
     };
-    let meta = std::fs::metadata(&dir)
-        .map_err(|e| invalid("temp_file_path", format!("folder {} is not usable: {e}", dir.display())))?;
+    let dir = match std::fs::metadata(p) {
+        Ok(m) if m.is_dir() => p.to_path_buf(),
+        Ok(m) if m.is_file() => parent_of(p)?,
+        Ok(_) => {
+            return Err(bad(format!(
+                "{} is not a regular file or a folder (a device, FIFO or socket cannot hold a mapping)",
+                p.display()
+            )))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => parent_of(p)?,
+        Err(e) => return Err(bad(format!("{} is not usable: {e}", p.display()))),
+    };
+    let meta = std::fs::metadata(&dir).map_err(|e| bad(format!("folder {} is not usable: {e}", dir.display())))?;
     if !meta.is_dir() {
-        return Err(invalid("temp_file_path", format!("{} is not a folder", dir.display())));
+        return Err(bad(format!("{} is not a folder", dir.display())));
     }
-    if meta.permissions().readonly() {
-        return Err(invalid("temp_file_path", format!("folder {} is read-only", dir.display())));
+    can_create_files_in(&dir).map_err(bad)
+}
+
+/// Whether a file can be made in `dir`: an unnamed `O_TMPFILE` file, which leaves nothing
+/// behind (or, where the file system has none, a named one removed at once). Asking the file
+/// system is the only exact answer: permission bits do not say what root may do, nor whether a
+/// file system is mounted read-only or makes no files at all (`/proc`).
+#[cfg(not(miri))]
+fn can_create_files_in(dir: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let refused = |e: std::io::Error| format!("no file can be created in folder {}: {e}", dir.display());
+    match std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_TMPFILE).mode(0o600).open(dir) {
+        Ok(_) => return Ok(()),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EISDIR) | Some(libc::EINVAL)) => {}
+        Err(e) => return Err(refused(e)),
     }
+    static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let probe = dir.join(format!(".rustws-probe-{}-{n}", std::process::id()));
+    std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&probe).map_err(refused)?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Under Miri, which makes no `O_TMPFILE` files: the folder's existence is all that is checked.
+#[cfg(miri)]
+fn can_create_files_in(_dir: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
@@ -432,6 +485,60 @@ mod tests {
         );
         let ok = WorkspaceConfiguration { temp_file_path: Some(std::env::temp_dir()), ..mmap };
         ok.validate().unwrap();
+    }
+
+    #[test]
+    fn temp_block_size_is_a_multiple_of_the_block_alignment() {
+        let d = WorkspaceConfiguration::default;
+        for bad in [1, 63, 100, 1000, 4097] {
+            assert_eq!(field_of(WorkspaceConfiguration { temp_block_size: bad, ..d() }), "temp_block_size");
+        }
+        for good in [0, 64, 4096, 1 << 20, 1_000_000] {
+            WorkspaceConfiguration { temp_block_size: good, ..d() }.validate().unwrap();
+        }
+    }
+
+    /// Every kind of path that cannot hold a mapping is refused when the configuration is
+    /// validated, naming `temp_file_path`.
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri makes no FIFOs or symlinks")]
+    fn unusable_mmap_paths_name_temp_file_path() {
+        let base = std::env::temp_dir().join(format!("rustws-paths-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let fifo = base.join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let looped = base.join("loop");
+        std::os::unix::fs::symlink(&looped, &looped).unwrap();
+        let mmap = |p: PathBuf| WorkspaceConfiguration {
+            policy_location: LocationPolicy::Mmap,
+            initial_size: 1 << 20,
+            policy_learning: LearningPolicy::None,
+            temp_file_path: Some(p),
+            ..WorkspaceConfiguration::default()
+        };
+        let nul = PathBuf::from(std::ffi::OsString::from(format!("{}/a\0b", base.display())));
+        for p in [
+            PathBuf::from("/dev/null"),
+            nul,
+            fifo,
+            looped.clone(),
+            looped.join("x"),
+            PathBuf::from("/proc/rustws-arena.bin"),
+            PathBuf::from("/proc"),
+            base.join("missing/x"),
+        ] {
+            assert_eq!(field_of(mmap(p.clone())), "temp_file_path", "{}", p.display());
+        }
+        let existing = base.join("data.npy");
+        std::fs::write(&existing, b"data").unwrap();
+        for p in [base.clone(), base.join("new.bin"), existing] {
+            mmap(p.clone()).validate().unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        }
+        assert_eq!(std::fs::read_dir(&base).unwrap().count(), 3, "validation left files behind");
+        let _ = std::fs::remove_dir_all(&base);
     }
 
     #[test]

@@ -211,12 +211,18 @@ impl Backend for CudaMemory {
     }
 
     fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
+        if len == 0 {
+            return Err("cannot map 0 bytes".to_string());
+        }
         let _ctx = self.make_current()?;
         let p = self.alloc_device(len)?;
         // Regions are zero-filled by contract.
         // SAFETY: `p` is the fresh allocation of `len` bytes above.
-        unsafe { result::memset_d8_sync(p.as_ptr() as usize as sys::CUdeviceptr, 0, len) }
-            .map_err(|e| format!("cannot clear {len} bytes on CUDA device {}: {e:?}", self.ordinal))?;
+        if let Err(e) = unsafe { result::memset_d8_sync(p.as_ptr() as usize as sys::CUdeviceptr, 0, len) } {
+            // SAFETY: allocated above, never handed out.
+            unsafe { self.unmap(p, len) };
+            return Err(format!("cannot clear {len} bytes on CUDA device {}: {e:?}", self.ordinal));
+        }
         Ok(p)
     }
 
@@ -230,7 +236,7 @@ impl Backend for CudaMemory {
 
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
         let _ctx = self.make_current()?;
-        self.alloc_device(len)
+        self.alloc_device(len.max(1))
     }
 
     /// # Safety
@@ -242,24 +248,26 @@ impl Backend for CudaMemory {
 
     /// # Safety
     /// As for [`Backend::zero`].
-    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
-        let _ctx = self.make_current();
+    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
+        let _ctx = self.make_current()?;
         // SAFETY: the caller guarantees the range lies in one of our live allocations.
-        let _ = unsafe { result::memset_d8_sync(ptr.as_ptr() as usize as sys::CUdeviceptr, 0, len) };
+        unsafe { result::memset_d8_sync(ptr.as_ptr() as usize as sys::CUdeviceptr, 0, len) }
+            .map_err(|e| format!("cannot clear {len} bytes on CUDA device {}: {e:?}", self.ordinal))
     }
 
     /// # Safety
     /// As for [`Backend::copy`].
-    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) {
-        let _ctx = self.make_current();
+    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        let _ctx = self.make_current()?;
         // SAFETY: the caller guarantees both ranges lie in our live allocations, disjoint.
-        let _ = unsafe {
+        unsafe {
             result::memcpy_dtod_sync(
                 dst.as_ptr() as usize as sys::CUdeviceptr,
                 src.as_ptr() as usize as sys::CUdeviceptr,
                 len,
             )
-        };
+        }
+        .map_err(|e| format!("copy of {len} bytes on CUDA device {} failed: {e:?}", self.ordinal))
     }
 
     /// # Safety
@@ -302,6 +310,9 @@ impl CudaMemory {
     /// `len` fresh bytes of device memory; the context must be current. A refusal while
     /// releases wait in the queue reclaims them and tries once more.
     fn alloc_device(&self, len: usize) -> Result<NonNull<u8>, String> {
+        if len > isize::MAX as usize {
+            return Err(format!("{len} bytes is more than CUDA device {} can hold", self.ordinal));
+        }
         if self.has_deferred() {
             // Normally the owner reclaims outside its locks right after releasing; this only
             // catches owners that never do.
@@ -393,6 +404,32 @@ impl CudaMemory {
         r.map_err(|e| format!("cannot order CUDA stream {stream:#x} after the workspace's work: {e:?}"))
     }
 
+    /// Whether work on `stream` (a valid `CUstream` handle, or 1 / 2 for the legacy / per-thread
+    /// default stream) is ordered by the legacy default stream: true for the default streams and
+    /// streams made without `CU_STREAM_NON_BLOCKING`. An event recorded on the legacy stream then
+    /// completes only after the work submitted to that stream before it, so a release can wait
+    /// for the stream without keeping its handle (which its owner may destroy meanwhile).
+    pub fn synchronizes_with_legacy(&self, stream: usize) -> Result<bool, String> {
+        if stream == 1 || stream == 2 {
+            return Ok(true);
+        }
+        let _ctx = self.make_current()?;
+        let mut flags: std::ffi::c_uint = 0;
+        // SAFETY: the caller names a live stream of this context (valid while the consumer that
+        // declared it is inside the call); `flags` is a valid output.
+        let rc = unsafe { sys::cuStreamGetFlags(stream as sys::CUstream, &mut flags) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cannot read the flags of CUDA stream {stream:#x}: {rc:?}"));
+        }
+        Ok(flags & sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as std::ffi::c_uint == 0)
+    }
+
+    /// Waits until all work submitted to this device's context, on every stream, has finished.
+    pub fn synchronize(&self) -> Result<(), String> {
+        let _ctx = self.make_current()?;
+        result::ctx::synchronize().map_err(|e| format!("cannot synchronise CUDA device {}: {e:?}", self.ordinal))
+    }
+
     /// Free and total bytes of the device.
     pub fn memory_info(&self) -> Result<(usize, usize), String> {
         let _ctx = self.make_current()?;
@@ -416,6 +453,9 @@ impl PinnedHostMemory {
     }
 
     fn alloc_pinned(&self, len: usize) -> Result<*mut std::ffi::c_void, String> {
+        if len > isize::MAX as usize {
+            return Err(format!("{len} bytes is more host memory than can be pinned"));
+        }
         // SAFETY: a fresh allocation of `len` bytes, with this device's context current.
         let mut r = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) };
         if r.is_err() && self.has_deferred() {
@@ -467,6 +507,9 @@ impl Backend for PinnedHostMemory {
     }
 
     fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
+        if len == 0 {
+            return Err("cannot map 0 bytes".to_string());
+        }
         let _ctx = self.device.make_current()?;
         let p = self.alloc_pinned(len)?;
         let p = NonNull::new(p.cast::<u8>()).ok_or_else(|| "cuMemHostAlloc returned null".to_string())?;
@@ -485,7 +528,7 @@ impl Backend for PinnedHostMemory {
     }
 
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
-        self.map(len, false)
+        self.map(len.max(1), false)
     }
 
     /// # Safety

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use crate::accounts::{Accounts, CycleReport, WorkspaceStats};
 use crate::arena::{live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
-use crate::backend::{round_to_page, AnonymousMemory, Backend, FileMappedMemory, BLOCK_ALIGN};
+use crate::backend::{available_memory, round_to_page, AnonymousMemory, Backend, FileMappedMemory, BLOCK_ALIGN};
 use crate::classes::{class_of, class_size};
 use crate::config::{AllocationPolicy, DebugMode, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration};
 use crate::error::{Error, Name};
@@ -38,25 +38,6 @@ const TRIM_AFTER: usize = 1 << 20;
 /// A retired region rescans for free pages to return once this much (and an eighth of it) was
 /// freed since the last scan.
 const RETIRED_RESCAN: usize = 1 << 20;
-
-/// Bytes of physical memory free right now (`sysconf(_SC_AVPHYS_PAGES)`), or `usize::MAX` when
-/// the system does not say.
-#[cfg(not(miri))]
-fn available_memory() -> usize {
-    // SAFETY: plain queries without preconditions.
-    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_AVPHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
-    if pages > 0 && size > 0 {
-        (pages as usize).saturating_mul(size as usize)
-    } else {
-        usize::MAX
-    }
-}
-
-/// Under Miri (which has no `sysconf`) the system does not say.
-#[cfg(miri)]
-fn available_memory() -> usize {
-    usize::MAX
-}
 
 impl Drop for Workspace {
     fn drop(&mut self) {
@@ -557,9 +538,13 @@ impl Workspace {
         // Host memory is zero-filled when mapped: never-carved memory needs no write.
         let clear = zeroed && !(self.inline_headers && region.is_fresh(off));
         self.accounts.count_arena(size, slot);
-        if clear {
-            // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
-            unsafe { self.backend.zero(p, size) };
+        // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
+        if clear && unsafe { self.backend.zero(p, size) }.is_err() {
+            // A fill the device refused: the block goes back, and the request is served outside
+            // the arena, where a refused fill is an error.
+            // SAFETY: `p` was handed out just above and never reached the caller.
+            unsafe { self.free(p) };
+            return None;
         }
         Some(p)
     }
@@ -611,11 +596,14 @@ impl Workspace {
                 self.epoch,
             ))
         };
-        if zeroed {
-            // SAFETY: `p` is valid for `size <= slot - HEADER` bytes of the backend's memory.
-            unsafe { self.backend.zero(p, size) };
-        }
         self.accounts.count_external(size, slot);
+        // SAFETY: `p` is valid for `size <= slot - HEADER` bytes of the backend's memory.
+        if zeroed && unsafe { self.backend.zero(p, size) }.is_err() {
+            // A fill the device refused: the block goes back, and a new block is asked for.
+            // SAFETY: `p` was made live just above and never reached the caller.
+            unsafe { self.free(p) };
+            return None;
+        }
         Some(p)
     }
 
@@ -888,7 +876,12 @@ impl Workspace {
         }
         let q = if self.destroyed { self.alloc_unaccounted(new_size, false)? } else { self.alloc(new_size)? };
         // SAFETY: both blocks are live, distinct, of this backend, and valid for the bytes copied.
-        unsafe { self.backend.copy(q, p, old.min(new_size)) };
+        if let Err(what) = unsafe { self.backend.copy(q, p, old.min(new_size)) } {
+            // A copy the device refused: the old block stays the caller's, with its contents.
+            // SAFETY: `q` was allocated just above and never reached the caller.
+            unsafe { self.free(q) };
+            return Err(Error::Unavailable { what });
+        }
         // SAFETY: `p` is live and ours (caller's guarantee); it is freed once, here.
         unsafe { self.free(p) };
         Ok(q)

@@ -65,7 +65,7 @@ impl Backend for Recorder {
     fn host_accessible(&self) -> bool {
         self.upstream.host_accessible()
     }
-    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) {
+    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
         self.zeroed.fetch_add(len, Ordering::Relaxed);
         // SAFETY: forwarded with the caller's guarantee.
         unsafe { self.upstream.zero(ptr, len) }

@@ -565,7 +565,7 @@ fn host_transfers_round_trip_through_every_backend() {
         // SAFETY: `a`, `c` and `z` are live blocks of `src.len()` bytes; the host buffers are ours.
         unsafe {
             b.copy_from_host(a, NonNull::new(src.as_ptr() as *mut u8).unwrap(), src.len()).unwrap();
-            b.copy(c, a, src.len());
+            b.copy(c, a, src.len()).unwrap();
             b.copy_to_host(NonNull::new(back.as_mut_ptr()).unwrap(), c, src.len()).unwrap();
             assert_eq!(back, src, "{name}: bytes changed on the way through");
             b.copy_to_host(NonNull::new(back.as_mut_ptr()).unwrap(), z, src.len()).unwrap();
@@ -576,5 +576,47 @@ fn host_transfers_round_trip_through_every_backend() {
         }
         w.exit().unwrap();
         w.verify();
+    });
+}
+
+/// Requests near `usize::MAX` are errors on every backend, whatever path they take (the arena,
+/// a block of their own, a huge mapping): no size computation wraps to a small mapping that a
+/// header is then written past.
+#[test]
+fn requests_near_usize_max_are_errors_never_wrapped_sizes() {
+    let page = 4096usize;
+    let sizes = [
+        usize::MAX,
+        usize::MAX - 1,
+        usize::MAX - 63,
+        usize::MAX - 64 - 63,
+        usize::MAX - page,
+        usize::MAX - 2 * page,
+        usize::MAX / 2 + 1,
+        isize::MAX as usize,
+        isize::MAX as usize - page,
+        1 << 62,
+    ];
+    // Miri aborts on an allocation it cannot hold where the system would refuse it: under Miri
+    // only the sizes no address space holds, which must be refused before anything is allocated.
+    let sizes: Vec<usize> = sizes.into_iter().filter(|&s| !cfg!(miri) || s > isize::MAX as usize).collect();
+    for_each_backend(|name, b| {
+        for config in
+            [WorkspaceConfiguration::adaptive(), cfg(), WorkspaceConfiguration { initial_size: 1 << 20, ..cfg() }]
+        {
+            let mut w = ws(b, config);
+            w.enter().unwrap();
+            let small = w.alloc(100).unwrap();
+            for &size in &sizes {
+                assert!(w.alloc(size).is_err(), "{name}: alloc({size}) succeeded");
+                assert!(w.alloc_zeroed(size).is_err(), "{name}: alloc_zeroed({size}) succeeded");
+                // SAFETY: `small` is live; a failed realloc leaves it so.
+                assert!(unsafe { w.realloc(small, size) }.is_err(), "{name}: realloc to {size} succeeded");
+            }
+            // SAFETY: live, freed once.
+            unsafe { w.free(small) };
+            w.exit().unwrap();
+            w.verify();
+        }
     });
 }

@@ -78,7 +78,7 @@ fn every_call_restores_the_context_the_thread_had() {
     let mut back = [0u8; 4096];
     // SAFETY: `p` is a live block of 4096 bytes; the host buffers are 4096 bytes.
     unsafe {
-        b.zero(p, 4096);
+        b.zero(p, 4096).unwrap();
         b.copy_from_host(p, NonNull::new(host.as_ptr() as *mut u8).unwrap(), 4096).unwrap();
         b.copy_to_host(NonNull::new(back.as_mut_ptr()).unwrap(), p, 4096).unwrap();
         b.free_block(p, 4096);
@@ -286,4 +286,95 @@ fn device_blocks_of_their_own_take_exactly_their_bytes_and_every_block_is_256_al
     }
     w.exit().unwrap();
     assert_eq!(w.stats().used_bytes + w.stats().external_bytes, 0);
+}
+
+/// A fill or copy the device refuses is an error, never a silent success: a zeroed request never
+/// returns memory holding old bytes, and a realloc that cannot copy keeps the old block whole.
+#[test]
+fn a_refused_device_fill_or_copy_is_an_error_and_loses_nothing() {
+    let (_g, s) = exclusive();
+    let gpu = Arc::new(CudaMemory::new(0).unwrap());
+    let b: Arc<dyn Backend> = gpu.clone();
+    for n in 1..=3 {
+        // SAFETY: a switch of the stand-in.
+        unsafe { (s.set_failing_copies)(n) };
+        assert!(b.alloc_block_zeroed(4096).is_err(), "a zeroed block whose fill failed was handed out");
+        // SAFETY: a switch of the stand-in.
+        unsafe { (s.set_failing_copies)(0) };
+    }
+    let p = b.alloc_block(4096).unwrap();
+    let q = b.alloc_block(4096).unwrap();
+    // SAFETY: a switch of the stand-in; `p` and `q` are live blocks of 4096 bytes.
+    unsafe {
+        (s.set_failing_copies)(1);
+        assert!(b.zero(p, 4096).is_err());
+        (s.set_failing_copies)(1);
+        assert!(b.copy(q, p, 4096).is_err());
+        b.free_block(p, 4096);
+        b.free_block(q, 4096);
+    }
+    for zeroed_in_arena in [true, false] {
+        let mut w = Workspace::with_backend("FILL", config(1 << 20), b.clone()).unwrap();
+        w.enter().unwrap();
+        // A block that dirties the arena, so that the next zeroed one must be cleared on the device.
+        let dirty = w.alloc(8192).unwrap();
+        // SAFETY: live, freed once.
+        unsafe { w.free(dirty) };
+        // SAFETY: a switch of the stand-in (enough failures for the arena and the fallback).
+        unsafe { (s.set_failing_copies)(if zeroed_in_arena { 8 } else { 0 }) };
+        if zeroed_in_arena {
+            let err = w.alloc_zeroed(8192).unwrap_err();
+            assert!(err.to_string().contains("LAUNCH_FAILED") || err.to_string().contains("clear"), "{err}");
+            // SAFETY: a switch of the stand-in.
+            unsafe { (s.set_failing_copies)(0) };
+        }
+        let old = w.alloc(1000).unwrap();
+        let src: Vec<u8> = (0..1000).map(|i| i as u8).collect();
+        // SAFETY: `old` is a live block of 1000 bytes; `src` is ours.
+        unsafe { b.copy_from_host(old, NonNull::new(src.as_ptr() as *mut u8).unwrap(), 1000).unwrap() };
+        // SAFETY: a switch of the stand-in; `old` is live.
+        unsafe { (s.set_failing_copies)(1) };
+        // SAFETY: `old` is live.
+        let err = unsafe { w.realloc(old, 1 << 20) }.unwrap_err();
+        assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+        let mut back = vec![0u8; 1000];
+        // SAFETY: `old` is still live (the failed realloc kept it); `back` is ours.
+        unsafe { b.copy_to_host(NonNull::new(back.as_mut_ptr()).unwrap(), old, 1000).unwrap() };
+        assert_eq!(back, src, "a failed realloc lost the data");
+        // SAFETY: live, freed once.
+        unsafe { w.free(old) };
+        w.exit().unwrap();
+        w.verify();
+        assert_eq!(w.stats().used_bytes + w.stats().external_bytes, 0);
+    }
+}
+
+/// Whether a consumer's stream is ordered by the legacy default stream is read while the stream
+/// is valid; a destroyed stream is never named again.
+#[test]
+fn stream_flags_say_which_streams_the_legacy_stream_orders() {
+    let (_g, s) = exclusive();
+    let gpu = CudaMemory::new(0).unwrap();
+    let (mut blocking, mut non_blocking) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: stand-in calls on the primary context of device 0, made current for them.
+    unsafe {
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(cudarc::driver::sys::cuDevicePrimaryCtxRetain(&mut ctx, 0) as i32, 0);
+        assert_eq!((s.ctx_set_current)(ctx.cast()), 0);
+        assert_eq!((s.stream_create)(&mut blocking, 0), 0);
+        assert_eq!((s.stream_create)(&mut non_blocking, 1), 0);
+    }
+    assert!(gpu.synchronizes_with_legacy(1).unwrap());
+    assert!(gpu.synchronizes_with_legacy(2).unwrap());
+    assert!(gpu.synchronizes_with_legacy(blocking as usize).unwrap());
+    assert!(!gpu.synchronizes_with_legacy(non_blocking as usize).unwrap());
+    s.clear_log();
+    gpu.synchronize().unwrap();
+    assert!(s.log().contains("cuCtxSynchronize"), "{}", s.log());
+    // SAFETY: stand-in calls: both streams are ours; then the thread's context is unbound.
+    unsafe {
+        (s.stream_destroy)(blocking);
+        (s.stream_destroy)(non_blocking);
+        (s.ctx_set_current)(std::ptr::null_mut());
+    }
 }

@@ -7,14 +7,14 @@ mod common;
 
 use std::sync::Arc;
 
-use common::program::{op, Op, Program};
+use common::program::{op, Op, Program, LONG, MIRI};
 use proptest::prelude::*;
 use rustws_core::backend::FaultAdaptor;
 use rustws_core::*;
 
 fn config() -> impl Strategy<Value = WorkspaceConfiguration> {
     (
-        prop_oneof![Just(0u64), Just(64 << 10), Just(1 << 20)],
+        prop_oneof![Just(0u64), Just(64 << 10), Just(if MIRI { 128 << 10 } else { 1 << 20 })],
         prop_oneof![Just(LearningPolicy::None), Just(LearningPolicy::FirstLoop), Just(LearningPolicy::OverTime)],
         prop_oneof![Just(SpillPolicy::Fail), Just(SpillPolicy::Reallocate), Just(SpillPolicy::External)],
         prop_oneof![Just(ResetPolicy::BlockLeft), Just(ResetPolicy::EndOfBufferReached)],
@@ -100,7 +100,7 @@ proptest! {
         source in any::<u8>(),
         every in 1u64..6,
         enospc in any::<bool>(),
-        ops in prop::collection::vec(op(), 1..150),
+        ops in prop::collection::vec(op(), 1..LONG / 2),
     ) {
         run(config, source, every, if enospc { libc::ENOSPC } else { libc::ENOMEM }, ops);
     }

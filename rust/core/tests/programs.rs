@@ -9,13 +9,13 @@ mod common;
 
 use std::sync::Arc;
 
-use common::program::{op, Op, Program};
+use common::program::{op, Op, Program, LARGE, LONG, MIRI};
 use proptest::prelude::*;
 use rustws_core::*;
 
 fn config() -> impl Strategy<Value = (WorkspaceConfiguration, Option<usize>)> {
     (
-        prop_oneof![Just(0u64), Just(64 << 10), Just(1 << 20)],
+        prop_oneof![Just(0u64), Just(64 << 10), Just(if MIRI { 128 << 10 } else { 1 << 20 })],
         prop_oneof![
             Just(LearningPolicy::None),
             Just(LearningPolicy::FirstLoop),
@@ -30,7 +30,7 @@ fn config() -> impl Strategy<Value = (WorkspaceConfiguration, Option<usize>)> {
             Just(AllocationPolicy::Always)
         ],
         prop_oneof![Just(0u64), Just(100)],
-        prop_oneof![Just(None), Just(Some(1usize << 20)), Just(Some(4usize << 20))],
+        prop_oneof![Just(None), Just(Some(LARGE * 5)), Just(Some(LARGE * 20))],
         0u64..3,
     )
         .prop_map(|(initial, learning, spill, reset, alloc, helper, limit, cbi)| {
@@ -90,7 +90,7 @@ proptest! {
     fn random_programs_keep_blocks_disjoint_intact_and_counted(
         (config, limit) in config(),
         source in any::<u8>(),
-        ops in prop::collection::vec(op(), 1..300),
+        ops in prop::collection::vec(op(), 1..LONG),
     ) {
         run(config, limit, source, ops);
     }
@@ -99,7 +99,7 @@ proptest! {
     fn random_programs_survive_destroy(
         (config, limit) in config(),
         source in any::<u8>(),
-        mut ops in prop::collection::vec(op(), 1..120),
+        mut ops in prop::collection::vec(op(), 1..LONG / 2),
         at in any::<prop::sample::Index>(),
     ) {
         let k = at.index(ops.len());

@@ -1,6 +1,5 @@
 //! Residency: what the arena keeps resident. In a binary of its own, so that no other test's
-//! memory moves the process's resident size while it is measured; its tests take turns
-//! ([`measuring`]), since the test harness runs them on threads of one process.
+//! memory moves the process's resident size while it is measured.
 
 mod common;
 
@@ -9,6 +8,14 @@ use rustws_core::*;
 
 fn cfg() -> WorkspaceConfiguration {
     WorkspaceConfiguration::default()
+}
+
+/// Held by each test while it runs: the tests of one binary run on parallel threads, and one
+/// test's memory would move the resident size another measures.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Resident bytes of this process, from /proc (Linux).
@@ -20,15 +27,9 @@ fn resident_bytes() -> usize {
 
 const MIB: usize = 1 << 20;
 
-/// Held while a test measures: the resident size is the whole process's.
-fn measuring() -> std::sync::MutexGuard<'static, ()> {
-    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    TURN.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 #[test]
 fn a_retired_region_keeps_only_pages_under_live_blocks() {
-    let _turn = measuring();
+    let _alone = alone();
     // REALLOCATE growth retires the old arena; one small pinned block must not keep it resident.
     let c = WorkspaceConfiguration {
         initial_size: 32 * MIB as u64,
@@ -71,7 +72,7 @@ fn a_retired_region_keeps_only_pages_under_live_blocks() {
 
 #[test]
 fn a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena() {
-    let _turn = measuring();
+    let _alone = alone();
     let mut w = Workspace::new("HUGE", WorkspaceConfiguration::adaptive()).unwrap();
     for _ in 0..3 {
         w.enter().unwrap();
@@ -101,7 +102,7 @@ fn a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena() {
 
 #[test]
 fn a_destroyed_workspace_returns_pages_as_its_blocks_die() {
-    let _turn = measuring();
+    let _alone = alone();
     let mut w = Workspace::new("GONE", WorkspaceConfiguration::adaptive()).unwrap();
     let mut blocks = Vec::new();
     for _ in 0..2 {

@@ -10,6 +10,7 @@
 //! running: it is the per-call cost of a device allocation.
 
 use std::cell::RefCell;
+use std::ffi::c_int;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
@@ -319,8 +320,9 @@ pub(crate) struct DeviceArray {
     itemsize: usize,
     size: usize,
     fortran: bool,
-    /// Handed out through `__cuda_array_interface__`: a consumer uses the pointer while it holds
-    /// this object, so `dispose` keeps the memory.
+    /// Handed out through an interface whose consumer references the memory through this object
+    /// (`__cuda_array_interface__`, `__array_interface__`, the buffer protocol): `dispose` keeps
+    /// the memory until the object dies.
     exported: bool,
     disposed: bool,
     /// The dispose scope holding the array (set by the scope).
@@ -668,7 +670,7 @@ impl DeviceArray {
     /// The host ndarray of a host-memory array (None over device memory, or once disposed).
     #[getter]
     fn _host(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.host.as_ref().map(|h| h.clone_ref(py))
+        self.host.as_ref().filter(|_| !self.disposed).map(|h| h.clone_ref(py))
     }
 
     /// Whether the array is in Fortran order (and not also in C order).
@@ -699,12 +701,46 @@ impl DeviceArray {
     }
 
     // -- exchange ----------------------------------------------------------------------------------
+    /// The host array's interface. Its consumer (`np.asarray`) makes an array whose `base` is this
+    /// object and which points into its memory: the array is marked exported, so that `dispose`
+    /// keeps the memory for as long as this object lives.
     #[getter]
-    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    fn __array_interface__<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         if self.host.is_none() && !self.disposed {
             return Err(PyAttributeError::new_err("a DeviceArray over device memory has no __array_interface__"));
         }
-        self.array(py)?.getattr("__array_interface__")
+        let interface = self.array(py)?.getattr("__array_interface__")?;
+        self.exported = true;
+        Ok(interface)
+    }
+
+    /// The buffer protocol of a host-memory array (`memoryview(d)`, `np.frombuffer(d)`): the host
+    /// array's own buffer, zero-copy. The view holds the host array, so the memory lives as long
+    /// as the view, whatever happens to this object.
+    ///
+    /// # Safety
+    /// `view` is a `Py_buffer` for CPython to fill, as the buffer protocol passes it.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut pyo3::ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let py = slf.py();
+        let host = {
+            let mut me = slf.borrow_mut();
+            me.check(py)?;
+            let Some(h) = &me.host else {
+                return Err(PyBufferError::new_err(format!(
+                    "a DeviceArray in device memory ({}) has no host buffer; use .to_numpy() for a host copy",
+                    me.device.bind(py)
+                )));
+            };
+            let h = h.clone_ref(py);
+            me.exported = true;
+            h
+        };
+        // SAFETY: `view` is the caller's buffer to fill; the host ndarray fills it (its `obj` a
+        // new reference to that ndarray) or sets an exception and leaves it unfilled.
+        if unsafe { pyo3::ffi::PyObject_GetBuffer(host.as_ptr(), view, flags) } != 0 {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(())
     }
 
     #[getter]
@@ -816,7 +852,7 @@ impl DeviceArray {
         let mut copied = false;
         if copy == Some(true) {
             let fresh = Block::new(&block.memory, block.nbytes, false).map_err(|e| to_py(py, e))?;
-            fresh.copy_from(&block, block.nbytes)?;
+            fresh.copy_from(py, &block, block.nbytes)?;
             block = Arc::new(fresh);
             copied = true;
         }
@@ -963,22 +999,28 @@ impl DeviceArray {
 
     /// Releases the memory now (idempotent); any later use raises `DisposedArrayError`.
     ///
-    /// Consumers that took the array through DLPack keep their memory alive; an array handed out
-    /// through `__cuda_array_interface__` keeps its memory until the object itself dies.
+    /// Consumers that took the array through DLPack or the buffer protocol keep their memory
+    /// alive; an array handed out through `__cuda_array_interface__` or `__array_interface__`
+    /// (whose consumers point into it through this object) keeps its memory until the object
+    /// itself dies.
     fn dispose(slf: &Bound<'_, Self>) -> PyResult<()> {
         let py = slf.py();
-        let (scope, thread, released) = {
+        let (scope, thread, released, memory) = {
             let mut me = slf.borrow_mut();
             if me.disposed {
                 return Ok(());
             }
             me.disposed = true;
-            let host = me.host.take();
+            let host = if me.exported { None } else { me.host.take() };
             let mirror = me.mirror.take();
             let block = if me.exported { Held::None } else { std::mem::replace(&mut me.block, Held::None) };
-            (me.scope.take(), me.thread, (host, mirror, block))
+            let memory = block.get().map(|b| b.memory.clone());
+            (me.scope.take(), me.thread, (host, mirror, block), memory)
         };
         drop(released); // outside the borrow: releasing may run Python (a mirror's finaliser)
+        if let Some(memory) = memory {
+            crate::device::reclaim(py, &memory);
+        }
         let scoped = scope.is_some();
         with_counters(thread, |c| {
             bump(&c.live, -1);

@@ -5,10 +5,21 @@
 //! from this module.
 //!
 //! Releases leave the hot locks: the CUDA backends queue `cuMemFree` / `cuMemFreeHost`, and
-//! [`reclaim`] runs the queue after the workspace lock is dropped, with the GIL released. A block
-//! a consumer used on another stream goes back to the workspace only once an event recorded on
-//! that stream at release has completed ([`PendingReleases`]): the arena may hand it out at once
-//! afterwards, to any stream.
+//! [`reclaim`] runs the queue after the workspace lock is dropped, with the GIL released. The GIL
+//! is released only where a `Python` token proves the thread holds it: `Drop` impls and the C
+//! entry points (DLPack deleters, PyTorch's allocator hooks) run on threads that may or may not
+//! hold it, so they hand the queue to the driver only when the thread certainly holds no GIL, and
+//! otherwise leave it to the next call that has a token (or to the next device allocation).
+//!
+//! A block a consumer used on another stream goes back to the workspace only once that stream's
+//! work submitted before the release has completed ([`PendingReleases`]); the arena may then hand
+//! it out at once, to any stream. No stream handle is kept past the call that named it, since its
+//! owner may destroy the stream meanwhile (CuPy's `with Stream():`): a stream declared at export
+//! (`__dlpack__(stream=)`, CuPy's allocation) is classified then, while valid. Streams the legacy
+//! default stream orders (the default streams, and streams made without `CU_STREAM_NON_BLOCKING`)
+//! are followed by an event recorded on the legacy stream at release; a non-blocking stream can
+//! only be waited for by synchronising the device at release. A stream named at the release
+//! itself (PyTorch's allocator free) gets its event recorded on it there and then.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -42,16 +53,15 @@ extern "C" {
     fn PyGILState_Check() -> c_int;
 }
 
-/// Runs `f` without the GIL when the calling thread holds it (and as it is otherwise).
-fn without_gil(f: impl FnOnce() + Send) {
-    // SAFETY: `PyGILState_Check` only reads the thread state; it is safe with or without the GIL.
-    if unsafe { PyGILState_Check() } == 1 {
-        // SAFETY: the check above says this thread holds the GIL.
-        let py = unsafe { Python::assume_attached() };
-        py.detach(f);
-    } else {
-        f();
-    }
+/// Whether the calling thread certainly holds no GIL. `PyGILState_Check()` may say 1 for a
+/// thread that holds none (on every thread once a subinterpreter exists, and on 3.11 after
+/// finalisation), so its 1 proves nothing and is never used to release the GIL; its 0 means this
+/// thread's own thread state is not the one running (the thread may at worst hold the GIL through
+/// a thread state of its own making, when waiting on the driver with it only costs time).
+fn certainly_detached() -> bool {
+    // SAFETY: `PyGILState_Check` only reads the runtime's and the thread's thread-state slots; it
+    // may be called with or without the GIL, before, during and after finalisation.
+    unsafe { PyGILState_Check() == 0 }
 }
 
 /// Blocks a consumer released on another stream, waiting for that stream's work to pass.
@@ -110,9 +120,6 @@ impl PendingReleases {
                 unsafe { r.shared.lock().free(p) };
             }
         }
-        if self.cuda.has_deferred() {
-            without_gil(|| self.cuda.reclaim());
-        }
     }
 }
 
@@ -120,6 +127,9 @@ impl Drop for PendingReleases {
     fn drop(&mut self) {
         self.any.store(true, Ordering::Release);
         self.settle(true);
+        if self.cuda.has_deferred() && certainly_detached() {
+            self.cuda.reclaim();
+        }
     }
 }
 
@@ -164,12 +174,23 @@ impl Source {
     }
 }
 
-/// Hands the backend's queued driver releases to the driver: called after the workspace lock
-/// is dropped, and without the GIL.
-pub(crate) fn reclaim(memory: &Memory) {
+/// Hands the backend's queued driver releases to the driver, with the GIL released (`py` proves
+/// this thread holds it): called after the workspace lock is dropped.
+pub(crate) fn reclaim(py: Python<'_>, memory: &Memory) {
     if let Some(d) = &memory.deferred {
         if d.has_deferred() {
-            without_gil(|| d.reclaim());
+            py.detach(|| d.reclaim());
+        }
+    }
+}
+
+/// [`reclaim`] for code that has no `Python` token (`Drop`, the C entry points): the queue goes
+/// to the driver only when the thread certainly holds no GIL, and otherwise waits for the next
+/// [`reclaim`] or device allocation. The GIL is never released here.
+fn reclaim_detached(memory: &Memory) {
+    if let Some(d) = &memory.deferred {
+        if d.has_deferred() && certainly_detached() {
+            d.reclaim();
         }
     }
 }
@@ -216,24 +237,41 @@ pub(crate) struct Block {
     raw: usize,
     pub(crate) ptr: usize,
     pub(crate) nbytes: usize,
-    /// Streams other than the legacy default on which consumers declared they use the block.
-    streams: Mutex<Vec<usize>>,
+    /// What the release must wait for (see the module docs).
+    release: Mutex<ReleaseOrder>,
+}
+
+/// The consumers' streams a block's release waits for, as classified while each was valid.
+#[derive(Default)]
+struct ReleaseOrder {
+    /// A consumer used a stream the legacy default stream orders: an event recorded on the legacy
+    /// stream at release follows its work.
+    legacy: bool,
+    /// A consumer used a non-blocking stream (or one whose flags could not be read): only a
+    /// device synchronisation at release waits for its work.
+    device_sync: bool,
+    /// Streams named by the release itself, valid while it runs: an event is recorded on each.
+    now: Vec<usize>,
 }
 
 impl Drop for Block {
     fn drop(&mut self) {
-        let streams = std::mem::take(self.streams.get_mut().unwrap_or_else(|e| e.into_inner()));
-        if let (Some(cuda), Some(pending), false) = (&self.memory.cuda, &self.memory.pending, streams.is_empty()) {
-            let events: Result<Vec<_>, _> = streams.iter().map(|&s| cuda.record_release(s)).collect();
+        let order = std::mem::take(self.release.get_mut().unwrap_or_else(|e| e.into_inner()));
+        if let (Some(cuda), Some(pending)) = (&self.memory.cuda, &self.memory.pending) {
+            // A failed synchronisation leaves nothing to wait for (the context is broken).
+            let synced = order.device_sync && cuda.synchronize().is_ok();
+            let streams = order.now.iter().copied().chain(order.legacy.then_some(1));
+            let events: Result<Vec<_>, _> = streams.filter(|_| !synced).map(|s| cuda.record_release(s)).collect();
             match events {
-                Ok(events) => {
+                Ok(events) if !events.is_empty() => {
                     pending.push(PendingRelease { shared: self.memory.shared.clone(), raw: self.raw, events });
                     return;
                 }
-                // No event: the stream's work cannot be followed, so wait for the device.
-                Err(_) => without_gil(|| {
-                    let _ = cudarc_sync(cuda);
-                }),
+                Ok(_) => {}
+                // No event: the streams' work cannot be followed, so wait for the device.
+                Err(_) => {
+                    let _ = cuda.synchronize();
+                }
             }
         }
         if let Some(p) = NonNull::new(self.raw as *mut u8) {
@@ -241,27 +279,26 @@ impl Drop for Block {
             // only here.
             unsafe { self.memory.shared.lock().free(p) };
         }
-        reclaim(&self.memory);
+        reclaim_detached(&self.memory);
     }
-}
-
-/// Waits for all work of the device (the fallback when an event cannot be recorded).
-fn cudarc_sync(cuda: &CudaMemory) -> Result<(), String> {
-    let ev = cuda.record_release(1)?;
-    cuda.wait(&ev);
-    cuda.destroy_event(ev);
-    Ok(())
 }
 
 impl Block {
     /// A new block of `nbytes` from the workspace, zero-filled when `zeroed`.
     pub(crate) fn new(memory: &Arc<Memory>, nbytes: usize, zeroed: bool) -> Result<Self, Error> {
         let (raw, ptr) = alloc_aligned(memory, nbytes)?;
-        let block =
-            Block { memory: memory.clone(), raw: raw.as_ptr() as usize, ptr, nbytes, streams: Mutex::new(Vec::new()) };
+        let block = Block {
+            memory: memory.clone(),
+            raw: raw.as_ptr() as usize,
+            ptr,
+            nbytes,
+            release: Mutex::new(ReleaseOrder::default()),
+        };
         if zeroed && nbytes > 0 {
             // SAFETY: the block's `nbytes` bytes lie in the workspace block just allocated.
-            unsafe { memory.backend.zero(block.at(), nbytes) };
+            if let Err(what) = unsafe { memory.backend.zero(block.at(), nbytes) } {
+                return Err(Error::Unavailable { what }); // the block goes back as it drops
+            }
         }
         Ok(block)
     }
@@ -317,7 +354,7 @@ impl Block {
     }
 
     /// Copies `nbytes` bytes from `other` (a block of the same backend) into this one.
-    pub(crate) fn copy_from(&self, other: &Block, nbytes: usize) -> PyResult<()> {
+    pub(crate) fn copy_from(&self, py: Python<'_>, other: &Block, nbytes: usize) -> PyResult<()> {
         self.check_len("copy_from", nbytes)?;
         other.check_len("copy_from", nbytes)?;
         if !Arc::ptr_eq(&self.memory.backend, &other.memory.backend) {
@@ -326,25 +363,38 @@ impl Block {
         if nbytes > 0 && self.ptr != other.ptr {
             // SAFETY: both are live blocks of this backend, valid for `nbytes`; distinct live
             // blocks never overlap.
-            unsafe { self.memory.backend.copy(self.at(), other.at(), nbytes) };
+            unsafe { self.memory.backend.copy(self.at(), other.at(), nbytes) }
+                .map_err(|what| to_py(py, Error::Unavailable { what }))?;
         }
         Ok(())
     }
 
     /// Makes work later submitted to `stream` (DLPack numbering: 1 legacy default, 2
-    /// per-thread default, else a `CUstream` handle) wait for the workspace's own copies and
-    /// fills, and remembers the stream: the block is given back after that stream's work. A
-    /// no-op for memory that is not a CUDA device's.
+    /// per-thread default, else a `CUstream` handle, valid during this call) wait for the
+    /// workspace's own copies and fills, and makes the block's release wait for that stream's
+    /// work without keeping its handle (see the module docs). A no-op for memory that is not a
+    /// CUDA device's.
     pub(crate) fn order_before(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
         let Some(cuda) = &self.memory.cuda else { return Ok(()) };
         cuda.order_before(stream).map_err(|e| to_py(py, Error::Unavailable { what: e }))?;
         if stream != 1 {
-            let mut streams = lock(&self.streams);
-            if !streams.contains(&stream) {
-                streams.push(stream);
+            // The legacy stream orders itself: nothing to follow for it.
+            let ordered = cuda.synchronizes_with_legacy(stream).unwrap_or(false);
+            let mut release = lock(&self.release);
+            if ordered {
+                release.legacy = true;
+            } else {
+                release.device_sync = true;
             }
         }
         Ok(())
+    }
+
+    /// Makes the block's release wait for the work submitted to `stream` (a live stream handle
+    /// other than the legacy default) when the release comes, which must be before the stream
+    /// can be destroyed: the caller releases the block right after.
+    fn release_on(&self, stream: usize) {
+        lock(&self.release).now.push(stream);
     }
 }
 
@@ -401,8 +451,8 @@ impl DeviceBuffer {
     }
 
     /// Copies `nbytes` bytes from `other` (a buffer of the same workspace's backend) into this one.
-    fn copy_from(&self, other: &DeviceBuffer, nbytes: usize) -> PyResult<()> {
-        self.block.copy_from(&other.block, nbytes)
+    fn copy_from(&self, py: Python<'_>, other: &DeviceBuffer, nbytes: usize) -> PyResult<()> {
+        self.block.copy_from(py, &other.block, nbytes)
     }
 
     /// See `Block::order_before`.
@@ -421,7 +471,10 @@ impl DeviceBuffer {
 impl WorkspaceCore {
     /// A new block of `nbytes` from this workspace, zero-filled when `zeroed`.
     pub(crate) fn new_block(&self, py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<Block> {
-        Block::new(&self.memory, nbytes, zeroed).map_err(|e| to_py(py, e))
+        let block = Block::new(&self.memory, nbytes, zeroed);
+        // Releases queued by blocks that died where the GIL could not be released go now.
+        reclaim(py, &self.memory);
+        block.map_err(|e| to_py(py, e))
     }
 }
 
@@ -530,7 +583,8 @@ pub extern "C" fn rustws_torch_free(ptr: *mut c_void, _size: isize, _device: c_i
         if let Some(block) = entry {
             let stream = stream as usize;
             if stream > 1 && block.memory.cuda.is_some() {
-                lock(&block.streams).push(stream);
+                // PyTorch's stream is valid during this call, and the release happens in it.
+                block.release_on(stream);
             }
             drop(block); // gives it back (stream-ordered), outside the table's lock
         }

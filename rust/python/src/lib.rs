@@ -189,7 +189,7 @@ impl WorkspaceCore {
                 ws.unnest().map(|()| rustws_core::CycleReport::default())
             }
         };
-        reclaim(&self.memory);
+        reclaim(py, &self.memory);
         let r = ended.map_err(|e| to_py(py, e))?;
         self.after_cycle(py, me, r, true)
     }
@@ -261,7 +261,7 @@ impl WorkspaceCore {
                     ws.unnest().map(|()| rustws_core::CycleReport::default())
                 }
             };
-            reclaim(&self.memory);
+            reclaim(py, &self.memory);
             let r = exited.map_err(|e| to_py(py, e))?;
             self.after_cycle(py, me, r, clean)?;
         }
@@ -464,11 +464,11 @@ impl WorkspaceCore {
 
     /// Hands the driver releases the backend queued to the driver now (they also go at the end
     /// of each cycle and after each release); returns how many releases the driver refused so far.
-    fn _reclaim(&self) -> usize {
+    fn _reclaim(&self, py: Python<'_>) -> usize {
         if let Some(p) = &self.memory.pending {
             p.settle(false);
         }
-        reclaim(&self.memory);
+        reclaim(py, &self.memory);
         self.memory.deferred.as_ref().map_or(0, |d| d.failed_releases())
     }
 
@@ -590,7 +590,7 @@ impl WorkspaceCore {
     /// Closes what `_open_cycle` opened.
     fn _close_cycle(&self, py: Python<'_>) -> PyResult<()> {
         let exited = self.shared.lock().exit();
-        reclaim(&self.memory);
+        reclaim(py, &self.memory);
         exited.map(|_| ()).map_err(|e| to_py(py, e))
     }
 
@@ -601,10 +601,10 @@ impl WorkspaceCore {
     }
 
     /// Core part of `destroy()`: memory under live arrays is kept until they die.
-    fn _destroy(&self) {
+    fn _destroy(&self, py: Python<'_>) {
         self.shared.destroyed.store(true, Ordering::Relaxed);
         self.shared.lock().destroy();
-        reclaim(&self.memory);
+        reclaim(py, &self.memory);
     }
 
     /// A new uninitialised array over workspace memory: an ndarray, or a `DeviceArray` for a

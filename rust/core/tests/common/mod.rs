@@ -8,19 +8,20 @@ pub mod standin;
 
 use std::sync::Arc;
 
-use rustws_core::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor, OpaqueMemory};
+use rustws_core::{AnonymousMemory, Backend, HeapMemory, LimitAdaptor, OpaqueMemory};
 
 /// Every host backend, an adaptor over one, and the CUDA backends over the driver stand-in,
-/// by name.
+/// by name. Under Miri, which maps no files, the file-backed one is left out.
 pub fn backends() -> Vec<(&'static str, Arc<dyn Backend>)> {
     #[allow(unused_mut)]
     let mut all: Vec<(&'static str, Arc<dyn Backend>)> = vec![
         ("anonymous", Arc::new(AnonymousMemory)),
-        ("mmap-file", Arc::new(FileMappedMemory::new(std::env::temp_dir()))),
         ("heap", Arc::new(HeapMemory)),
         ("opaque (device stand-in)", Arc::new(OpaqueMemory)),
         ("limit(anonymous)", Arc::new(LimitAdaptor::new(Arc::new(AnonymousMemory), 1 << 34))),
     ];
+    #[cfg(not(miri))]
+    all.insert(1, ("mmap-file", Arc::new(rustws_core::FileMappedMemory::new(std::env::temp_dir()))));
     #[cfg(feature = "cuda")]
     {
         standin::load();
@@ -32,10 +33,10 @@ pub fn backends() -> Vec<(&'static str, Arc<dyn Backend>)> {
     all
 }
 
-/// Property-test cases: `default`, or `PROPTEST_CASES` when set (Miri and the sanitizers run
-/// fewer).
+/// The number of cases of a property test: `default`, or `RUSTWS_PROPTEST_CASES` when set (CI
+/// runs fewer under Miri and the sanitizers, where every case costs far more).
 pub fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var("RUSTWS_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 /// Fills `len` bytes at `p` with a pattern derived from `seed`.

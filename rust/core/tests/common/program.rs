@@ -18,6 +18,14 @@ use super::{fill, intact};
 /// Bytes of each block the model fills and checks.
 const CHECKED: usize = 512;
 
+/// Under Miri, which runs each step thousands of times slower, programs are shorter and blocks
+/// and arenas smaller; the paths they take are the same.
+pub const MIRI: bool = cfg!(miri);
+/// The largest request of a program.
+pub const LARGE: usize = if MIRI { 20_000 } else { 200_000 };
+/// The longest program.
+pub const LONG: usize = if MIRI { 40 } else { 300 };
+
 #[derive(Debug, Clone)]
 pub enum Op {
     Alloc(usize),
@@ -40,7 +48,7 @@ pub enum Op {
 
 /// Request sizes across every kind of class: small, page-sized, large, zero.
 pub fn size() -> impl Strategy<Value = usize> + Clone {
-    prop_oneof![1usize..200, 200usize..5000, 5000usize..200_000, Just(0usize)]
+    prop_oneof![1usize..200, 200usize..5000, 5000usize..LARGE, Just(0usize)]
 }
 
 /// Operations, weighted as loop bodies make them; `destroy` is rare.

@@ -18,6 +18,7 @@ pub struct Standin {
     pub set_failing_set_current: unsafe extern "C" fn(c_int),
     pub set_failing_set_current_after: unsafe extern "C" fn(c_int, c_int),
     pub set_events_pending: unsafe extern "C" fn(c_int),
+    pub set_failing_copies: unsafe extern "C" fn(c_int),
     pub complete_events: unsafe extern "C" fn(),
     pub device_bytes: unsafe extern "C" fn() -> usize,
     pub host_bytes: unsafe extern "C" fn() -> usize,
@@ -25,6 +26,7 @@ pub struct Standin {
     pub current_context: unsafe extern "C" fn() -> *mut c_void,
     pub ctx_set_current: unsafe extern "C" fn(*mut c_void) -> c_int,
     pub stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int,
+    pub stream_destroy: unsafe extern "C" fn(*mut c_void) -> c_int,
     log: unsafe extern "C" fn(*mut c_char, usize) -> usize,
     clear_log: unsafe extern "C" fn(),
 }
@@ -97,6 +99,7 @@ pub fn load() -> &'static Standin {
                 set_failing_set_current: sym(handle, "standin_set_failing_set_current"),
                 set_failing_set_current_after: sym(handle, "standin_set_failing_set_current_after"),
                 set_events_pending: sym(handle, "standin_set_events_pending"),
+                set_failing_copies: sym(handle, "standin_set_failing_copies"),
                 complete_events: sym(handle, "standin_complete_events"),
                 device_bytes: sym(handle, "standin_device_bytes"),
                 host_bytes: sym(handle, "standin_host_bytes"),
@@ -104,6 +107,7 @@ pub fn load() -> &'static Standin {
                 current_context: sym(handle, "standin_current_context"),
                 ctx_set_current: sym(handle, "cuCtxSetCurrent"),
                 stream_create: sym(handle, "cuStreamCreate"),
+                stream_destroy: sym(handle, "cuStreamDestroy_v2"),
                 log: sym(handle, "standin_log"),
                 clear_log: sym(handle, "standin_clear_log"),
             }

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The core under the checkers, as CI runs it:
+#   - Miri (nightly; its component is installed when missing) over the core's unit tests, the
+#     allocator programs and failure injection (property tests, with RUSTWS_PROPTEST_CASES cases,
+#     3 by default: a case costs minutes under Miri) and the conformance tests that fit its speed,
+#     all through the arena and workspace code, without the CUDA feature (Miri loads no driver);
+#   - AddressSanitizer, with LeakSanitizer, over every test of the core (the CUDA backends over the
+#     driver stand-in included, property tests at their full case counts), on the stable toolchain.
+# A checker that cannot be installed or run here is skipped with the reason; one that runs and
+# finds an error fails the script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step() { printf '\n==> %s\n' "$*"; }
+skip() { printf 'skipped: %s\n' "$*"; }
+
+# -- Miri --------------------------------------------------------------------------------------------
+# The conformance tests whose workloads Miri runs in seconds (the others move tens of MiB per test).
+MIRI_CONFORMANCE=(
+    a_refusing_backend allocation_policies debug_spill destroying_with_live frees_from_another_thread
+    helper_min_size host_transfers max_size_bounds nested_cycles over_time_learns realloc_keeps
+    requests_near_usize_max spill_fail spill_reallocate
+)
+
+miri_available() {
+    if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+        echo "installing the nightly toolchain with miri"
+        rustup toolchain install nightly --profile minimal --component miri rust-src >/dev/null 2>&1 ||
+            { skip "no nightly toolchain, and installing one failed (offline?)"; return 1; }
+    fi
+    if ! cargo +nightly miri --version >/dev/null 2>&1; then
+        echo "installing the miri component of the nightly toolchain"
+        rustup component add miri rust-src --toolchain nightly >/dev/null 2>&1 ||
+            { skip "the nightly toolchain has no miri component and adding it failed (offline, or none for this nightly)"; return 1; }
+    fi
+    cargo +nightly miri setup >/dev/null 2>&1 || { skip "cargo miri setup failed: $(cargo +nightly miri setup 2>&1 | tail -1)"; return 1; }
+}
+
+step "miri: unit tests, allocator programs, failure injection, conformance"
+if miri_available; then
+    export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
+    miri() { cargo +nightly miri test -p rustws-core --no-default-features --quiet "$@"; }
+    miri --lib
+    RUSTWS_PROPTEST_CASES="${RUSTWS_MIRI_CASES:-3}" miri --test programs --test faults
+    miri --test conformance -- "${MIRI_CONFORMANCE[@]}"
+else
+    echo "checking that the core still builds under cfg(miri) (its shims for madvise, sysconf, mmap)"
+    RUSTFLAGS="--cfg miri" cargo check -p rustws-core --lib --tests --no-default-features --quiet \
+        --target-dir target/miri-cfg-check
+fi
+
+# -- AddressSanitizer ----------------------------------------------------------------------------------
+step "AddressSanitizer: every test of the core"
+host=$(rustc -vV | sed -n 's/^host: //p')
+probe=$(mktemp -d)
+if [ "$host" != "x86_64-unknown-linux-gnu" ]; then
+    skip "AddressSanitizer runs here on x86_64-unknown-linux-gnu only (host is $host)"
+elif ! why=$(echo 'fn main() {}' | RUSTC_BOOTSTRAP=1 rustc -Zsanitizer=address --target "$host" \
+    -o "$probe/probe" - 2>&1); then
+    skip "this toolchain cannot build with -Zsanitizer=address: $(echo "$why" | head -3)"
+else
+    # allocator_may_return_null: tests check that requests no address space holds are refused, as
+    # the system allocator refuses them (ASan would abort instead).
+    echo "not under ASan: the residency tests, which measure the process's resident size (ASan's"
+    echo "shadow memory and allocator caches are part of it); they run in the plain test run"
+    ASAN_OPTIONS="quarantine_size_mb=0:allocator_release_to_os_interval_ms=0:allocator_may_return_null=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}" \
+        RUSTC_BOOTSTRAP=1 RUSTFLAGS="-Zsanitizer=address" \
+        cargo test -p rustws-core --lib --tests --target "$host" --target-dir target/asan --quiet -- \
+        --skip a_retired_region_keeps_only_pages_under_live_blocks \
+        --skip a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena \
+        --skip a_destroyed_workspace_returns_pages_as_its_blocks_die
+fi
+rm -rf "$probe"
