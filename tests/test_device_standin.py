@@ -5,6 +5,7 @@ framework allocator hooks run here exactly as they do on a GPU, except for the d
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import sys
@@ -353,6 +354,25 @@ def test_full_mirroring_keeps_a_host_mirror_that_follows_the_cycles():
     assert not mirror_ws.is_open and mirror_ws.generation == ws.generation == 1
     ws.destroy()
     assert mirror_ws.is_destroyed
+
+
+@pytest.mark.parametrize("leave", ["exhaust", "break", "raise"])
+def test_the_loop_form_opens_and_closes_the_mirrors_cycles(leave):
+    ws = dev("MIRLOOP", CFG.replace(policy_mirroring=MirroringPolicy.FULL))
+    mirror_ws = ws._mirror_ws
+    seen = []
+    with contextlib.suppress(KeyError):
+        for i in ws.cycles(range(5)):
+            assert ws.is_open and mirror_ws.is_open and mirror_ws.generation == i
+            seen.append(i)
+            if i == 2 and leave == "break":
+                break
+            if i == 2 and leave == "raise":
+                raise KeyError(i)
+    assert seen == ([0, 1, 2, 3, 4] if leave == "exhaust" else [0, 1, 2])
+    assert not ws.is_open and not mirror_ws.is_open
+    assert mirror_ws.generation == ws.generation == len(seen)
+    ws.destroy()
 
 
 def test_disabled_mirroring_has_no_host_side():

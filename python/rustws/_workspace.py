@@ -12,6 +12,7 @@ so this module never imports it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import resource
@@ -451,7 +452,8 @@ class Workspace(_rustws.WorkspaceCore):
 
     # -- state --------------------------------------------------------------------------------
     def stats(self) -> WorkspaceStats:
-        return WorkspaceStats(*self._stats())
+        s = self._stats()
+        return WorkspaceStats(**{f: getattr(s, f) for f in _STATS_FIELDS})
 
     def destroy(self) -> None:
         """Releases the workspace. Memory under live arrays is kept until the last one dies. Idempotent."""
@@ -512,6 +514,7 @@ def _check_config(config: Any) -> WorkspaceConfiguration | None:
     raise TypeError(f"config must be a WorkspaceConfiguration, a dict or None, got {type(config).__name__}")
 
 
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WorkspaceStats))
 _MAX_ORDINAL = 2**31 - 1  # CUDA and DLPack number devices with a C int
 
 

@@ -29,7 +29,8 @@ and the framework integrations.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
@@ -38,6 +39,8 @@ from . import _rustws
 from ._config import LearningPolicy, MirroringPolicy, WorkspaceConfiguration
 from ._errors import DeviceUnavailableError, WorkspaceClosedError
 from ._workspace import _BY_ID, _MAX_ORDINAL, ShapeLike, Workspace, _set_device_factory
+
+_T = TypeVar("_T")
 
 __all__ = ["DeviceArray", "DeviceWorkspace", "asarray", "device_count", "is_available", "unavailable_reason"]
 
@@ -117,6 +120,19 @@ class DeviceWorkspace(Workspace):
             mirror = self._mirror_ws
             if mirror is not None and mirror.is_open:
                 mirror._close_cycle()
+
+    def cycles(self, iterable: Iterable[_T]) -> Iterator[_T]:  # type: ignore[override]
+        """The loop form: each item of ``iterable`` is one cycle of this workspace (and of its host
+        mirror, which follows its cycles); leaving the loop closes the open cycle."""
+        if self._mirror_ws is None:
+            return Workspace.cycles(self, iterable)
+        return self._cycles_with_mirror(iterable)
+
+    def _cycles_with_mirror(self, iterable: Iterable[_T]) -> Iterator[_T]:
+        # Device workspaces never capture NumPy: a `with` per item costs what the loop form saves.
+        for item in iterable:
+            with self:
+                yield item
 
     def destroy(self) -> None:
         mirror = self._mirror_ws

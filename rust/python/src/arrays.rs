@@ -8,9 +8,9 @@ use pyo3::exceptions::{PyMemoryError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyString, PyTuple};
 use rustws_core::Error;
-use std::sync::atomic::Ordering;
 
-use crate::{handler, to_py, WorkspaceCore};
+use crate::handler::{self, Shared};
+use crate::to_py;
 
 fn type_name(v: &Bound<'_, PyAny>) -> String {
     v.get_type().name().map(|n| n.to_string()).unwrap_or_default()
@@ -161,135 +161,138 @@ pub(crate) fn direct_arrays_supported(py: Python<'_>) -> bool {
     })
 }
 
-impl WorkspaceCore {
-    pub(crate) fn new_array<'py>(
-        &self,
-        py: Python<'py>,
-        shape: &Bound<'py, PyAny>,
-        dtype: Option<&Bound<'py, PyAny>>,
-        order: &str,
-        zeroed: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let mut shape = extract_shape(shape)?;
-        let dims = shape.as_mut_slice();
-        let descr = extract_descr(py, dtype)?;
-        let fortran = match order {
-            "C" | "c" => 0,
-            "F" | "f" => 1,
-            other => return Err(PyValueError::new_err(format!("order must be 'C' or 'F', got {other:?}"))),
-        };
-        if self.shared.destroyed.load(Ordering::Relaxed) {
-            return Err(to_py(py, Error::Destroyed { workspace: self.shared.name.clone() }));
-        }
-        if !self.shared.host_accessible {
-            return Err(PyTypeError::new_err(format!(
+/// A new ndarray of `shape`, `dtype` and `order` over memory of the workspace `shared`, whose
+/// handler is `capsule` (`bypass`: from NumPy's default allocator instead).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn new_array<'py>(
+    py: Python<'py>,
+    shared: &Shared,
+    capsule: &Bound<'py, PyAny>,
+    bypass: bool,
+    shape: &Bound<'py, PyAny>,
+    dtype: Option<&Bound<'py, PyAny>>,
+    order: &str,
+    zeroed: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mut shape = extract_shape(shape)?;
+    let dims = shape.as_mut_slice();
+    let descr = extract_descr(py, dtype)?;
+    let fortran = match order {
+        "C" | "c" => 0,
+        "F" | "f" => 1,
+        other => return Err(PyValueError::new_err(format!("order must be 'C' or 'F', got {other:?}"))),
+    };
+    if shared.is_destroyed() {
+        return Err(to_py(py, Error::Destroyed { workspace: shared.name.clone() }));
+    }
+    if !shared.host_accessible {
+        return Err(PyTypeError::new_err(format!(
                 "workspace {:?} holds device memory: NumPy arrays cannot live in it (device workspaces return DeviceArrays)",
-                self.shared.name
+                shared.name
             )));
+    }
+    if !bypass && descr.itemsize() > 0 && direct_arrays_supported(py) {
+        return new_array_direct(py, shared, capsule, dims, descr, fortran, zeroed);
+    }
+    // Through NumPy's allocation path, with the right handler current.
+    let current = handler::get_handler(py)?;
+    let wanted = if bypass { None } else { Some(capsule) };
+    let swap = match wanted {
+        Some(c) => !current.is(c),
+        None => true,
+    };
+    let previous = if swap { Some(handler::set_handler(py, wanted)?) } else { None };
+    handler::take_last_refusal();
+    let nd = dims.len() as std::ffi::c_int;
+    // SAFETY: `dims` holds `nd` dimensions and outlives the call; the descriptor reference is
+    // stolen by NumPy, as both functions document.
+    let raw = unsafe {
+        if zeroed {
+            PY_ARRAY_API.PyArray_Zeros(py, nd, dims.as_mut_ptr(), descr.into_ptr().cast(), fortran)
+        } else {
+            PY_ARRAY_API.PyArray_Empty(py, nd, dims.as_mut_ptr(), descr.into_ptr().cast(), fortran)
         }
-        let capsule = self.capsule.bind(py);
-        if !self.bypass && descr.itemsize() > 0 && direct_arrays_supported(py) {
-            return self.new_array_direct(py, dims, descr, fortran, zeroed);
+    };
+    // SAFETY: a new reference, or NULL with an exception set.
+    let result = unsafe { Bound::from_owned_ptr_or_err(py, raw) };
+    if let Some(prev) = previous {
+        handler::set_handler(py, Some(&prev))?;
+    }
+    match result {
+        Ok(a) => Ok(a),
+        Err(e) if e.is_instance_of::<PyMemoryError>(py) => match handler::take_last_refusal() {
+            Some(refusal) => Err(to_py(py, refusal)),
+            None => Err(e),
+        },
+        Err(e) => Err(e),
+    }
+}
+
+/// Allocates the data from the workspace, wraps it in an array, and hands the array the
+/// workspace's handler so that NumPy frees the data back to it (NEP 49: `OWNDATA` data must
+/// come with its `mem_handler`).
+fn new_array_direct<'py>(
+    py: Python<'py>,
+    shared: &Shared,
+    capsule: &Bound<'py, PyAny>,
+    dims: &mut [npy_intp],
+    descr: Bound<'py, PyArrayDescr>,
+    fortran: std::ffi::c_int,
+    zeroed: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mut nbytes = descr.itemsize();
+    for &d in dims.iter() {
+        if d < 0 {
+            return Err(PyValueError::new_err("negative dimensions are not allowed"));
         }
-        // Through NumPy's allocation path, with the right handler current.
-        let current = handler::get_handler(py)?;
-        let wanted = if self.bypass { None } else { Some(capsule) };
-        let swap = match wanted {
-            Some(c) => !current.is(c),
-            None => true,
-        };
-        let previous = if swap { Some(handler::set_handler(py, wanted)?) } else { None };
-        handler::take_last_refusal();
-        let nd = dims.len() as std::ffi::c_int;
-        // SAFETY: `dims` holds `nd` dimensions and outlives the call; the descriptor reference is
-        // stolen by NumPy, as both functions document.
-        let raw = unsafe {
-            if zeroed {
-                PY_ARRAY_API.PyArray_Zeros(py, nd, dims.as_mut_ptr(), descr.into_ptr().cast(), fortran)
-            } else {
-                PY_ARRAY_API.PyArray_Empty(py, nd, dims.as_mut_ptr(), descr.into_ptr().cast(), fortran)
-            }
-        };
-        // SAFETY: a new reference, or NULL with an exception set.
-        let result = unsafe { Bound::from_owned_ptr_or_err(py, raw) };
-        if let Some(prev) = previous {
-            handler::set_handler(py, Some(&prev))?;
-        }
-        match result {
-            Ok(a) => Ok(a),
-            Err(e) if e.is_instance_of::<PyMemoryError>(py) => match handler::take_last_refusal() {
-                Some(refusal) => Err(to_py(py, refusal)),
-                None => Err(e),
-            },
-            Err(e) => Err(e),
+        nbytes = nbytes.checked_mul(d as usize).filter(|n| *n <= isize::MAX as usize).ok_or_else(|| {
+            PyValueError::new_err(
+                "array is too big; `arr.size * arr.dtype.itemsize` is larger than the maximum possible size.",
+            )
+        })?;
+    }
+    let data = {
+        let mut ws = shared.lock();
+        if zeroed {
+            ws.alloc_zeroed(nbytes.max(1))
+        } else {
+            ws.alloc(nbytes.max(1))
         }
     }
-
-    /// Allocates the data from the workspace, wraps it in an array, and hands the array the
-    /// workspace's handler so that NumPy frees the data back to it (NEP 49: `OWNDATA` data must
-    /// come with its `mem_handler`).
-    fn new_array_direct<'py>(
-        &self,
-        py: Python<'py>,
-        dims: &mut [npy_intp],
-        descr: Bound<'py, PyArrayDescr>,
-        fortran: std::ffi::c_int,
-        zeroed: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let mut nbytes = descr.itemsize();
-        for &d in dims.iter() {
-            if d < 0 {
-                return Err(PyValueError::new_err("negative dimensions are not allowed"));
-            }
-            nbytes = nbytes.checked_mul(d as usize).filter(|n| *n <= isize::MAX as usize).ok_or_else(|| {
-                PyValueError::new_err(
-                    "array is too big; `arr.size * arr.dtype.itemsize` is larger than the maximum possible size.",
-                )
-            })?;
-        }
-        let data = {
-            let mut ws = self.shared.lock();
-            if zeroed {
-                ws.alloc_zeroed(nbytes.max(1))
-            } else {
-                ws.alloc(nbytes.max(1))
-            }
-        }
-        .map_err(|e| to_py(py, e))?;
-        let nd = dims.len() as std::ffi::c_int;
-        // SAFETY: `dims` holds `nd` dimensions; `data` is a live workspace block of at least
-        // `nbytes` bytes, 64-byte aligned; the descriptor reference is stolen by NumPy.
-        let raw = unsafe {
-            let array_type = numpy::npyffi::get_type_object(py, numpy::npyffi::NpyTypes::PyArray_Type);
-            PY_ARRAY_API.PyArray_NewFromDescr(
-                py,
-                array_type,
-                descr.into_ptr().cast(),
-                nd,
-                dims.as_mut_ptr(),
-                std::ptr::null_mut(),
-                data.as_ptr().cast(),
-                NPY_ARRAY_WRITEABLE
-                    | NPY_ARRAY_ALIGNED
-                    | if fortran != 0 { NPY_ARRAY_F_CONTIGUOUS } else { NPY_ARRAY_C_CONTIGUOUS },
-                std::ptr::null_mut(),
-            )
-        };
-        if raw.is_null() {
-            // SAFETY: the block is ours and no array took it.
-            unsafe { self.shared.lock().free(data) };
-            return Err(PyErr::fetch(py));
-        }
-        // SAFETY: `raw` is a new ndarray built over external data, so NumPy left its handler
-        // NULL and OWNDATA clear; the layout was checked by `direct_arrays_supported`. Setting
-        // both makes NumPy free `data` through our handler (which holds the workspace alive).
-        unsafe {
-            let f = &mut *(raw as *mut ArrayFields);
-            debug_assert!(f.mem_handler.is_null());
-            pyo3::ffi::Py_XDECREF(f.mem_handler);
-            f.mem_handler = self.capsule.clone_ref(py).into_ptr();
-            f.flags |= NPY_ARRAY_OWNDATA;
-            Ok(Bound::from_owned_ptr(py, raw))
-        }
+    .map_err(|e| to_py(py, e))?;
+    let nd = dims.len() as std::ffi::c_int;
+    // SAFETY: `dims` holds `nd` dimensions; `data` is a live workspace block of at least
+    // `nbytes` bytes, 64-byte aligned; the descriptor reference is stolen by NumPy.
+    let raw = unsafe {
+        let array_type = numpy::npyffi::get_type_object(py, numpy::npyffi::NpyTypes::PyArray_Type);
+        PY_ARRAY_API.PyArray_NewFromDescr(
+            py,
+            array_type,
+            descr.into_ptr().cast(),
+            nd,
+            dims.as_mut_ptr(),
+            std::ptr::null_mut(),
+            data.as_ptr().cast(),
+            NPY_ARRAY_WRITEABLE
+                | NPY_ARRAY_ALIGNED
+                | if fortran != 0 { NPY_ARRAY_F_CONTIGUOUS } else { NPY_ARRAY_C_CONTIGUOUS },
+            std::ptr::null_mut(),
+        )
+    };
+    if raw.is_null() {
+        // SAFETY: the block is ours and no array took it.
+        unsafe { shared.lock().free(data) };
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: `raw` is a new ndarray built over external data, so NumPy left its handler
+    // NULL and OWNDATA clear; the layout was checked by `direct_arrays_supported`. Setting
+    // both makes NumPy free `data` through our handler (which holds the workspace alive).
+    unsafe {
+        let f = &mut *(raw as *mut ArrayFields);
+        debug_assert!(f.mem_handler.is_null());
+        pyo3::ffi::Py_XDECREF(f.mem_handler);
+        f.mem_handler = capsule.clone().into_ptr();
+        f.flags |= NPY_ARRAY_OWNDATA;
+        Ok(Bound::from_owned_ptr(py, raw))
     }
 }

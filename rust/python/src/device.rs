@@ -468,16 +468,6 @@ impl DeviceBuffer {
     }
 }
 
-impl WorkspaceCore {
-    /// A new block of `nbytes` from this workspace, zero-filled when `zeroed`.
-    pub(crate) fn new_block(&self, py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<Block> {
-        let block = Block::new(&self.memory, nbytes, zeroed);
-        // Releases queued by blocks that died where the GIL could not be released go now.
-        reclaim(py, &self.memory);
-        block.map_err(|e| to_py(py, e))
-    }
-}
-
 // -- PyTorch's pluggable allocator ----------------------------------------------------------------
 
 thread_local! {

@@ -59,8 +59,8 @@ pub(crate) struct PyDataMemHandler {
 pub struct Shared {
     pub id: u64,
     pub name: rustws_core::error::Name,
-    /// Mirrors the core's destroyed flag, readable without the lock.
-    pub destroyed: AtomicBool,
+    /// Set with the core's own flag by [`Shared::destroy`], and read without the lock.
+    destroyed: AtomicBool,
     workspace: Mutex<Workspace>,
     /// Requests refused while capturing, drained and logged by the Python layer.
     failures: Mutex<Vec<Error>>,
@@ -117,6 +117,19 @@ impl Shared {
         self.workspace.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Destroys the workspace: nothing opens a cycle or allocates from it any more, and its
+    /// memory goes back but for the blocks still live, which go as they die.
+    pub fn destroy(&self) {
+        self.destroyed.store(true, Ordering::Relaxed);
+        self.lock().destroy();
+    }
+
+    /// Whether [`Shared::destroy`] ran (no lock taken).
+    #[inline]
+    pub fn is_destroyed(&self) -> bool {
+        self.destroyed.load(Ordering::Relaxed)
+    }
+
     pub fn drain_failures(&self) -> Vec<String> {
         self.has_failures.store(false, Ordering::Relaxed);
         let failures = std::mem::take(&mut *self.failures.lock().unwrap_or_else(|e| e.into_inner()));
@@ -147,7 +160,7 @@ impl Shared {
                 what: format!("workspace {:?} holds device memory, which NumPy cannot use", self.name),
             });
         }
-        if self.destroyed.load(Ordering::Relaxed) {
+        if self.is_destroyed() {
             // Code still running after `destroy()` gets ordinary memory.
             return foreign_alloc(std::ptr::null(), size, zeroed);
         }
@@ -203,7 +216,7 @@ impl Shared {
     ) -> *mut c_void {
         // SAFETY: every block the handlers hand out has a header in front of it.
         let foreign = unsafe { foreign_header(p) };
-        if foreign.is_some() || !captured || self.destroyed.load(Ordering::Relaxed) {
+        if foreign.is_some() || !captured || self.is_destroyed() {
             // Moved: to workspace memory when this request is captured, else to NumPy's own.
             let old = match foreign {
                 Some(h) => h.requested,
@@ -250,7 +263,7 @@ impl Capture {
         size >= self.shared.small
             && self.shared.capture.load(Ordering::Relaxed)
             && self.state.is_here()
-            && !self.shared.destroyed.load(Ordering::Relaxed)
+            && !self.shared.is_destroyed()
     }
 
     /// The scope is closed and this is its thread: the node left in place after the scope's
