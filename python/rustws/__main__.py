@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     bench.add_argument(
         "--workloads",
-        default="W1,W2,W3,W4,W5,W6,SKLEARN,SPARSE",
-        help="comma-separated subset of W1,W2,W3,W4,W5,W6,SKLEARN,SPARSE",
+        default="W1,W2,W3,W4,W5,W6,W7,W8,SKLEARN,SPARSE",
+        help="comma-separated subset of W1,W2,W3,W4,W5,W6,W7,W8,SKLEARN,SPARSE",
     )
     bench.add_argument("--repeats", type=int, default=None, help="runs per variant (median reported)")
     bench.add_argument("--out", default="bench-results", help="folder for the JSON results and the chart")

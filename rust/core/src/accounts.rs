@@ -5,6 +5,9 @@
 //! peaks, the allocation count); everything else is derived when asked, or updated off the hot
 //! path (spills, frees of pinned blocks, cycle ends).
 
+use crate::arena::{HEADER, LARGE_DATA_ALIGN};
+use crate::classes::PAGE_ALIGNED_SIZE;
+
 /// The statistics of the contract, all in bytes or counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WorkspaceStats {
@@ -43,6 +46,11 @@ pub struct CycleReport {
     pub escaped_bytes: u64,
 }
 
+/// Blocks from this slot size up belong to the page-aligned classes.
+const LARGE_SLOT: usize = PAGE_ALIGNED_SIZE + HEADER;
+/// The largest filler an arena puts in front of such a block.
+const MOST_PAD: usize = LARGE_DATA_ALIGN - HEADER;
+
 /// Live, pinned and served memory. Slot bytes count what blocks occupy (header and class
 /// rounding included); requested bytes what callers asked for.
 #[derive(Debug, Default, Clone)]
@@ -64,6 +72,10 @@ pub(crate) struct Accounts {
     /// Slot bytes of blocks of earlier cycles freed in the open cycle: state a loop replaces
     /// every cycle (`w = w - lr * g`), live beside the cycle's own blocks until replaced.
     pub unpinned_slot: usize,
+    /// Live blocks of the page-aligned classes, and how many of them are pinned: each may need a
+    /// filler in front of it in the arena, which the cycle's need includes.
+    pub large_live: usize,
+    pub large_pinned: usize,
     /// Peak of live requested bytes in the open cycle, and in the last one.
     pub cycle_peak: u64,
     pub last_cycle_peak: u64,
@@ -78,8 +90,26 @@ impl Accounts {
     pub fn count_live(&mut self, slot: usize) {
         self.allocations += 1;
         self.live_slot += slot;
-        self.own_peak = self.own_peak.max(self.live_slot - self.pinned_slot);
+        if slot >= LARGE_SLOT {
+            self.large_live += 1;
+        }
+        self.own_peak = self.own_peak.max(self.own_live());
         self.cycle_peak = self.cycle_peak.max(self.used + self.external);
+    }
+
+    /// What the open cycle's own live blocks take in an arena, fillers included.
+    #[inline(always)]
+    fn own_live(&self) -> usize {
+        self.live_slot - self.pinned_slot + (self.large_live - self.large_pinned) * MOST_PAD
+    }
+
+    /// A live block of `slot` bytes is gone.
+    #[inline(always)]
+    fn uncount_live(&mut self, slot: usize) {
+        self.live_slot -= slot;
+        if slot >= LARGE_SLOT {
+            self.large_live -= 1;
+        }
     }
 
     /// An arena block of `size` requested bytes in a slot of `slot` bytes was handed out.
@@ -93,7 +123,7 @@ impl Accounts {
     #[inline(always)]
     pub fn uncount_arena(&mut self, size: usize, slot: usize) {
         self.used -= size as u64;
-        self.live_slot -= slot;
+        self.uncount_live(slot);
     }
 
     /// An external block (huge ones included) was handed out.
@@ -108,7 +138,7 @@ impl Accounts {
         self.external -= size as u64;
         self.external_slot -= slot;
         self.external_blocks -= 1;
-        self.live_slot -= slot;
+        self.uncount_live(slot);
     }
 
     /// A huge block (a mapping of its own, outside the slot accounts: it never sizes the arena)
@@ -132,6 +162,10 @@ impl Accounts {
         self.pinned -= size as u64;
         self.pinned_slot -= slot;
         self.unpinned_slot += slot;
+        if slot >= LARGE_SLOT {
+            self.large_pinned -= 1;
+            self.unpinned_slot += MOST_PAD;
+        }
     }
 
     /// What the open cycle needs: its own peak, and the state of earlier cycles it replaced.
@@ -143,7 +177,7 @@ impl Accounts {
     /// A cycle opens.
     pub fn open_cycle(&mut self) {
         self.cycle_peak = self.used + self.external;
-        self.own_peak = self.live_slot - self.pinned_slot;
+        self.own_peak = self.own_live();
         self.unpinned_slot = 0;
     }
 
@@ -154,6 +188,7 @@ impl Accounts {
         self.pinned_blocks = live_blocks;
         self.pinned = self.used + self.external;
         self.pinned_slot = self.live_slot;
+        self.large_pinned = self.large_live;
         self.last_cycle_peak = self.cycle_peak;
         escaped
     }

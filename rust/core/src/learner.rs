@@ -5,12 +5,12 @@
 //! earlier cycles it freed (state a loop replaces every cycle, live beside the new state until
 //! then): blocks kept on (results a loop appends to a list) are not need, so they never grow or
 //! remap the arena however many there are. The learning cycles of ND4J's policies, which size the
-//! arena once, count what they leave live once more (the state the next cycle will replace). ND4J's policies keep their meaning:
-//! `NONE` never learns; `FIRST_LOOP` learns the first `cycles_before_initialization` cycles (at
-//! least one) and sizes the arena once; `OVER_TIME` does the same, then grows after a cycle that
-//! spilled; so does `REALLOCATE`, whatever the learning policy. The adaptive profile
-//! follows the largest need of the last [`NEED_WINDOW`] cycles: it grows after a cycle that
-//! needed more, and shrinks once an outlier has left the window.
+//! arena once, count what they leave live once more (the state the next cycle will replace).
+//! ND4J's policies keep their meaning: `NONE` never learns; `FIRST_LOOP` learns the first
+//! `cycles_before_initialization` cycles (at least one) and sizes the arena once; `OVER_TIME` does
+//! the same, then grows after a cycle that spilled; so does `REALLOCATE`, whatever the learning
+//! policy. The adaptive profile follows the largest need of the last [`NEED_WINDOW`] cycles: it
+//! grows after a cycle that needed more, and shrinks once an outlier has left the window.
 //!
 //! Spills that happened while blocks of earlier cycles were in the arena are the arena's
 //! fragmentation around kept memory, not need: they never grow it (the external block cache

@@ -394,8 +394,15 @@ impl Workspace {
     /// Pre-faults what the last learning asked for, within a quarter of the memory available.
     #[cold]
     fn prefault_now(&mut self) {
-        let want = std::mem::take(&mut self.pending_prefault).min(available_memory() / 4);
+        let mut want = std::mem::take(&mut self.pending_prefault).min(available_memory() / 4);
         if let Some(r) = self.region.as_mut() {
+            // Blocks of earlier cycles that a new region's need counted (state the loop replaces)
+            // still live outside it, in the region it replaced or outside the arena: their
+            // replacements take their room here, after them. Pre-faulting that room now would keep
+            // both copies resident at once; it faults in when first used instead.
+            if r.live_blocks() == 0 {
+                want = want.saturating_sub(self.accounts.pinned_slot);
+            }
             self.prefaulted_bytes += r.populate(want) as u64;
         }
     }

@@ -620,3 +620,39 @@ fn requests_near_usize_max_are_errors_never_wrapped_sizes() {
         }
     });
 }
+
+#[test]
+fn large_blocks_start_on_4_kib_and_learned_arenas_still_fit_their_cycle() {
+    for_each_backend(|name, b| {
+        for config in [
+            WorkspaceConfiguration { policy_allocation: AllocationPolicy::Strict, ..cfg() },
+            WorkspaceConfiguration::adaptive(),
+        ] {
+            let mut w = ws(b, config.clone());
+            for cycle in 0..4 {
+                w.enter().unwrap();
+                let mut live = Vec::new();
+                // Small and large blocks interleaved: every large one follows a small one.
+                for i in 0..6usize {
+                    let small = w.alloc(1000 + 64 * i).unwrap();
+                    let large = w.alloc((128 << 10) + 4096 * i + 8).unwrap();
+                    if cycle > 0 {
+                        assert_eq!(large.as_ptr() as usize % 4096, 0, "{name}: a large block's data");
+                    }
+                    fill(large.as_ptr(), 64, i as u8);
+                    live.push(small);
+                    live.push(large);
+                }
+                for p in live {
+                    // SAFETY: live, freed once.
+                    unsafe { w.free(p) };
+                }
+                w.exit().unwrap();
+                if cycle > 0 {
+                    assert_eq!(w.stats().spill_count, 0, "{name} {config:?}: cycle {cycle} spilled");
+                }
+            }
+            w.verify();
+        }
+    });
+}
