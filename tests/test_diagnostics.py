@@ -136,6 +136,66 @@ def test_owner_follows_buffer_exporters():
         assert rustws.owner([1, 2]) is None
 
 
+class _Interface:
+    """A consumer that shows memory only through ``__array_interface__`` (as frameworks do)."""
+
+    def __init__(self, a, offset=0):
+        self.__array_interface__ = {
+            "shape": (a.size - offset,),
+            "typestr": a.dtype.str,
+            "data": (a.ctypes.data + offset * a.itemsize, False),
+            "version": 3,
+        }
+
+
+class _Capsule:
+    """A DLPack producer that is not an ndarray (a tensor of another framework)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_owner_finds_consumers_by_the_address_of_their_data():
+    """Objects that hold workspace memory without a reference Python can follow to the array (a
+    tensor made by ``torch.from_numpy``, an Arrow buffer) are found by address: in the arena,
+    outside it (kept results, blocks of their own) and in huge mappings, at any offset."""
+    import ctypes
+
+    ws = rustws.workspace("ADDR")
+    other = rustws.workspace("ADDR2")
+    kept = []
+    for k in range(4):
+        with ws:
+            a = np.ones(4096) * k  # in the arena from the second cycle on
+            kept.append(a[::2].copy())  # kept results: outside the arena once it is full
+    with ws:
+        a = np.ones(4096)
+        big = ws.empty(1 << 27, np.uint8)  # a huge request: a mapping of its own
+        small = ws.empty(10)  # below helper_min_size: not workspace memory
+        targets = {"arena": a, "kept": kept[-1], "huge": big}
+        for where, arr in targets.items():
+            n = arr.size
+            by_ctypes = (ctypes.c_char * arr.nbytes).from_address(arr.ctypes.data)
+            assert rustws.owner(by_ctypes) is ws, where  # the buffer protocol
+            assert rustws.owner(_Interface(arr)) is ws, where
+            assert rustws.owner(_Interface(arr, n // 2)) is ws, where  # inside the block
+            assert rustws.owner(_Capsule(arr)) is ws, where  # DLPack
+            assert rustws.owner(np.from_dlpack(_Capsule(arr))) is ws, where
+            assert rustws.owner(np.ctypeslib.as_array(by_ctypes)) is ws, where
+        assert rustws.owner(_Interface(small)) is None
+        with rustws.scope_out_of_workspaces():
+            plain = np.ones(4096)
+        assert rustws.owner(_Interface(plain)) is None
+        assert rustws.owner((ctypes.c_char * 8).from_address(plain.ctypes.data)) is None
+        assert not other._holds(a.ctypes.data)  # the lookup found the right one of several
+
+
 def test_info_lists_libraries_and_rustws_variables(monkeypatch, capsys):
     from rustws.__main__ import main
 

@@ -806,7 +806,11 @@ def leverage_to(name: str, a: Any, *, enforce_existence: bool = False) -> Any:
 def owner(a: Any) -> Workspace | None:
     """The workspace whose memory holds ``a``, else None. ``a`` is an ndarray (its ``.base`` chain
     is followed, through ``memoryview``s and other buffer exporters on it), a ``memoryview`` (its
-    exporter is followed), or a ``DeviceArray``."""
+    exporter is followed), a ``DeviceArray``, or any other object that exposes its memory (the
+    buffer protocol, ``__array_interface__``, ``__cuda_array_interface__``, DLPack, Arrow's
+    ``address`` / ``buffers()``: a PyTorch tensor, a CuPy array, an Arrow buffer or array), found
+    by the address of its data."""
+    last: np.ndarray | None = None
     for _ in range(64):  # exporter chains are short; a cycle of references must not loop forever
         if isinstance(a, _rustws.DeviceArray):
             if a.is_disposed:
@@ -816,18 +820,68 @@ def owner(a: Any) -> Workspace | None:
                 return ws
             a = a._host
             continue
-        if isinstance(a, memoryview):
+        if isinstance(a, memoryview) and a.obj is not None:
             a = a.obj
             continue
-        if not isinstance(a, np.ndarray):
-            return None
-        base = a
-        while isinstance(base, np.ndarray) and not base.flags.owndata and base.base is not None:
-            base = base.base
-        if not isinstance(base, np.ndarray):
-            a = base  # a view of another exporter's memory (np.frombuffer, np.asarray(memoryview))
-            continue
-        return _owner_of_data(base)
+        if isinstance(a, np.ndarray):
+            base = a
+            while isinstance(base, np.ndarray) and not base.flags.owndata and base.base is not None:
+                base = base.base
+            if not isinstance(base, np.ndarray):
+                last = a
+                a = base  # a view of another exporter's memory (np.frombuffer, np.from_dlpack)
+                continue
+            if base.flags.owndata:
+                return _owner_of_data(base)
+            return _owner_at(_addresses(base))  # over memory of no Python object (ctypes, C)
+        # Another exporter: the view of it that led here, or the addresses it gives of its data.
+        return _owner_at([last.ctypes.data] if last is not None and last.size else _addresses(a))
+    return None
+
+
+def _addresses(obj: Any) -> list[int]:
+    """The addresses of the data an object exposes (empty when it exposes none)."""
+    out: list[int] = []
+    for attr in ("__cuda_array_interface__", "__array_interface__"):
+        try:
+            iface = getattr(obj, attr, None)
+        except Exception:  # a CPU torch tensor refuses the CUDA interface with an error
+            iface = None
+        data = iface.get("data") if isinstance(iface, dict) else None
+        if isinstance(data, tuple) and data and isinstance(data[0], int) and data[0]:
+            return [data[0]]
+    if isinstance(getattr(obj, "address", None), int):  # an Arrow buffer
+        return [obj.address]
+    buffers = getattr(obj, "buffers", None)  # an Arrow array: its buffers
+    if callable(buffers):
+        try:
+            out = [b.address for b in buffers() if isinstance(getattr(b, "address", None), int)]
+        except Exception:
+            out = []
+        if out:
+            return out
+    if hasattr(obj, "__dlpack__"):
+        try:
+            view = np.from_dlpack(obj)
+            if view.size:
+                return [view.ctypes.data]
+        except Exception:  # device memory, a dtype NumPy has not, a tensor that needs grad
+            pass
+    try:
+        with memoryview(obj) as mv:
+            if mv.nbytes:
+                return [np.frombuffer(mv, np.uint8).ctypes.data]
+    except (TypeError, ValueError, BufferError):
+        pass
+    return out
+
+
+def _owner_at(addresses: list[int]) -> Workspace | None:
+    """The workspace whose memory holds one of ``addresses`` (a lookup in every workspace)."""
+    for address in addresses:
+        for ws in list(_BY_ID.values()):
+            if ws._holds(address):
+                return ws
     return None
 
 

@@ -91,6 +91,10 @@ pub struct BlockHeader {
     pub requested: usize,
     /// The workspace generation (completed cycles) when the block was handed out.
     pub generation: u64,
+    /// For blocks of their own whose header sits in front of them (outside the arena): the data
+    /// addresses of the previous and next such block of the workspace (0: none), the list by
+    /// which an address is found to lie in the workspace's memory. 0 elsewhere.
+    pub links: [usize; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<BlockHeader>() == HEADER);
@@ -98,7 +102,17 @@ const _: () = assert!(std::mem::size_of::<BlockHeader>() == HEADER);
 impl BlockHeader {
     /// The header of a block just handed out by the workspace `owner`.
     pub fn live(kind: BlockKind, owner: u64, region: u32, slot: usize, requested: usize, generation: u64) -> Self {
-        BlockHeader { magic: MAGIC_LIVE, kind, class: NO_CLASS, region, owner, slot, requested, generation }
+        BlockHeader {
+            magic: MAGIC_LIVE,
+            kind,
+            class: NO_CLASS,
+            region,
+            owner,
+            slot,
+            requested,
+            generation,
+            links: [0; 2],
+        }
     }
 
     pub fn is_live(&self) -> bool {
@@ -390,6 +404,7 @@ impl ArenaRegion {
                 slot,
                 requested: 0,
                 generation: 0,
+                links: [0; 2],
             })
         };
     }

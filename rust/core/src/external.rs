@@ -34,6 +34,9 @@ pub(crate) struct OwnBlocks {
     /// Headers of blocks whose header cannot sit in front of them, by data address; each
     /// pointer owns its allocation.
     outside: HashMap<usize, NonNull<BlockHeader>>,
+    /// The first of the blocks whose headers sit in front of them (data address, 0: none),
+    /// live or cached, huge ones included, linked through their headers' `links`.
+    first: usize,
     cache: BlockCache,
 }
 
@@ -84,6 +87,7 @@ impl OwnBlocks {
             owner,
             backend,
             outside: HashMap::new(),
+            first: 0,
             cache: BlockCache {
                 heads: Box::new([0; CLASSES]),
                 nonempty: ClassSet::default(),
@@ -124,7 +128,71 @@ impl OwnBlocks {
         }
         let at = if zeroed { self.backend.alloc_block_zeroed(slot) } else { self.backend.alloc_block(slot) }?;
         // SAFETY: `at` is a fresh 64-aligned block of `slot >= HEADER` bytes owned by us.
-        Ok(unsafe { write_live_header(at, kind, self.owner, 0, slot, size, generation) })
+        let p = unsafe { write_live_header(at, kind, self.owner, 0, slot, size, generation) };
+        // SAFETY: a block whose header sits in front of it, just made.
+        unsafe { self.link(p) };
+        Ok(p)
+    }
+
+    /// Puts `p` on the list of blocks whose headers sit in front of them.
+    ///
+    /// # Safety
+    /// `p` is a block of this workspace whose header sits in front of it, not on the list, and
+    /// stays readable until [`OwnBlocks::unlink`] takes it off.
+    pub unsafe fn link(&mut self, p: NonNull<u8>) {
+        let first = self.first;
+        // SAFETY: the caller's guarantee; the first block's header is ours to write.
+        unsafe {
+            (*p.sub(HEADER).cast::<BlockHeader>().as_ptr()).links = [0, first];
+            if let Some(f) = NonNull::new(first as *mut u8) {
+                (*f.sub(HEADER).cast::<BlockHeader>().as_ptr()).links[0] = p.as_ptr() as usize;
+            }
+        }
+        self.first = p.as_ptr() as usize;
+    }
+
+    /// Takes `p` off the list of blocks whose headers sit in front of them.
+    ///
+    /// # Safety
+    /// `p` is on the list.
+    pub unsafe fn unlink(&mut self, p: NonNull<u8>) {
+        // SAFETY: blocks on the list are readable and ours (the caller's guarantee for `p`).
+        unsafe {
+            let [prev, next] = (*p.sub(HEADER).cast::<BlockHeader>().as_ptr()).links;
+            match NonNull::new(prev as *mut u8) {
+                Some(q) => (*q.sub(HEADER).cast::<BlockHeader>().as_ptr()).links[1] = next,
+                None => self.first = next,
+            }
+            if let Some(q) = NonNull::new(next as *mut u8) {
+                (*q.sub(HEADER).cast::<BlockHeader>().as_ptr()).links[0] = prev;
+            }
+        }
+    }
+
+    /// Whether `addr` lies in the data of a live block of this workspace outside its arena
+    /// (external and huge blocks; not bypass blocks, which are not workspace memory). O(blocks):
+    /// for diagnostics.
+    pub fn holds(&self, addr: usize) -> bool {
+        let inside = |at: usize, h: &BlockHeader, len: usize| {
+            h.is_live() && h.kind != BlockKind::Bypass && at <= addr && addr - at < len
+        };
+        if !self.inline {
+            return self.outside.iter().any(|(&at, h)| {
+                // SAFETY: the table owns each header, alive while it is in the table.
+                let h = unsafe { h.as_ref() };
+                inside(at, h, h.slot - HEADER)
+            });
+        }
+        let mut p = self.first;
+        while let Some(q) = NonNull::new(p as *mut u8) {
+            // SAFETY: blocks on the list are readable and ours.
+            let h = unsafe { &*q.sub(HEADER).cast::<BlockHeader>().as_ptr() };
+            if inside(p, h, h.slot - HEADER) {
+                return true;
+            }
+            p = h.links[1];
+        }
+        false
     }
 
     /// The header of a block of its own.
@@ -151,8 +219,12 @@ impl OwnBlocks {
     /// `p` is a block of this table of `slot` bytes that nothing uses any more, released once.
     pub unsafe fn release(&mut self, p: NonNull<u8>, slot: usize) {
         if self.inline {
-            // SAFETY: the header is ours; it is released with the block just below.
-            unsafe { (*p.sub(HEADER).cast::<BlockHeader>().as_ptr()).magic = 0 };
+            // SAFETY: the block is on the list since `new_block`; its header is ours and is
+            // released with the block just below.
+            unsafe {
+                self.unlink(p);
+                (*p.sub(HEADER).cast::<BlockHeader>().as_ptr()).magic = 0;
+            }
             // SAFETY: the block was allocated by `new_block` with `slot` bytes, its data `HEADER`
             // bytes in; the caller gives it up.
             unsafe { self.backend.free_block(p.sub(HEADER), slot) };

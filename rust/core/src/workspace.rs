@@ -592,16 +592,15 @@ impl Workspace {
     /// Rung 3: a cached block of the class, made live.
     fn cached_block(&mut self, class: usize, size: usize, zeroed: bool) -> Option<NonNull<u8>> {
         let (p, slot) = self.own.take_cached(class, self.cycles)?;
-        // SAFETY: a block of ours just taken off the cache: its header is ours to write.
+        // SAFETY: a block of ours just taken off the cache: its header is ours to write (its
+        // links keep it on the list of blocks of their own).
         unsafe {
-            self.own.header(p).as_ptr().write(BlockHeader::live(
-                BlockKind::External,
-                self.token,
-                0,
-                slot,
-                size,
-                self.epoch,
-            ))
+            let h = self.own.header(p).as_ptr();
+            let links = (*h).links;
+            h.write(BlockHeader {
+                links,
+                ..BlockHeader::live(BlockKind::External, self.token, 0, slot, size, self.epoch)
+            })
         };
         self.accounts.count_external(size, slot);
         // SAFETY: `p` is valid for `size <= slot - HEADER` bytes of the backend's memory.
@@ -673,6 +672,8 @@ impl Workspace {
         // SAFETY: `at` is a fresh or reclaimed mapping of `len >= HEADER` bytes, page-aligned,
         // owned by us; huge blocks exist only where headers sit in front of their blocks.
         let p = unsafe { write_live_header(at, BlockKind::Huge, self.token, 0, len, size, self.epoch) };
+        // SAFETY: its header sits in front of it; off the list until its free.
+        unsafe { self.own.link(p) };
         self.huge.live_len += len;
         self.accounts.count_huge(size);
         Ok(p)
@@ -775,8 +776,12 @@ impl Workspace {
                     self.accounts.unpin(size, 0);
                 }
                 self.huge.live_len -= slot;
-                // SAFETY: the header is ours to write; nothing else refers to it any more.
-                unsafe { (*hp.as_ptr()).magic = 0 };
+                // SAFETY: on the list since `alloc_huge`; the header is ours to write, and
+                // nothing else refers to it any more.
+                unsafe {
+                    self.own.unlink(p);
+                    (*hp.as_ptr()).magic = 0;
+                }
                 // SAFETY: a huge block's mapping starts at its header and is `slot` bytes long;
                 // the caller gives the block up.
                 let at = unsafe { p.sub(HEADER) };
@@ -943,6 +948,14 @@ impl Workspace {
             spill_count: a.spills,
             failed_allocations: a.failures,
         }
+    }
+
+    /// Whether `addr` lies in this workspace's memory: an arena region (its current one, or one
+    /// retired while blocks in it live) or a live block of its own outside the arena. O(blocks
+    /// outside the arena): for diagnostics, such as finding the workspace under a consumer's view
+    /// of its memory (a tensor, an Arrow buffer) by address.
+    pub fn holds(&self, addr: usize) -> bool {
+        self.region.iter().chain(self.retired.iter()).any(|r| r.contains(addr as *const u8)) || self.own.holds(addr)
     }
 
     /// Counts a refusal that happened outside the workspace (for example a request too large for

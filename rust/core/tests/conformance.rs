@@ -656,3 +656,34 @@ fn large_blocks_start_on_4_kib_and_learned_arenas_still_fit_their_cycle() {
         }
     });
 }
+
+#[test]
+fn holds_finds_live_memory_of_the_workspace_by_address() {
+    for_each_backend(|name, b| {
+        let config = WorkspaceConfiguration { helper_min_size: 512, ..WorkspaceConfiguration::adaptive() };
+        let mut w = ws(b, config);
+        let mut other = ws(b, WorkspaceConfiguration::adaptive());
+        w.enter().unwrap();
+        let external = w.alloc(100_000).unwrap(); // learning cycle: a block of its own
+        let bypass = w.alloc(100).unwrap(); // below helper_min_size: not workspace memory
+        let o = other.alloc(100_000).unwrap();
+        let at = external.as_ptr() as usize;
+        assert!(w.holds(at) && w.holds(at + 99_999), "{name}: a live block of its own");
+        assert!(!w.holds(bypass.as_ptr() as usize), "{name}: a bypass block");
+        assert!(!w.holds(o.as_ptr() as usize) && other.holds(o.as_ptr() as usize), "{name}");
+        // SAFETY: live, freed once.
+        unsafe { w.free(external) };
+        assert!(!w.holds(at), "{name}: a cached block holds nothing");
+        w.exit().unwrap();
+        w.enter().unwrap();
+        let arena = w.alloc(100_000).unwrap();
+        assert!(w.stats().capacity_bytes > 0 && w.holds(arena.as_ptr() as usize + 50_000), "{name}: the arena");
+        // SAFETY: live, freed once each.
+        unsafe {
+            w.free(arena);
+            w.free(bypass);
+            other.free(o);
+        }
+        w.exit().unwrap();
+    });
+}

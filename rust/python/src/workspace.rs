@@ -382,6 +382,11 @@ impl WorkspaceCore {
         self.memory.deferred.as_ref().map_or(0, |d| d.failed_releases())
     }
 
+    /// Whether `address` lies in this workspace's memory (see `Workspace::holds`).
+    fn _holds(&self, address: usize) -> bool {
+        self.shared.lock().holds(address)
+    }
+
     /// Free and total bytes of this workspace's CUDA device (None for other memory).
     fn device_memory_info(&self, py: Python<'_>) -> PyResult<Option<(usize, usize)>> {
         match &self.memory.cuda {
