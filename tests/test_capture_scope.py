@@ -234,3 +234,21 @@ def test_the_loop_form_nests_in_an_open_cycle_of_another_workspace():
             assert allocate()[0] is inner
         assert allocate()[0] is outer
     assert inner.stats().cycles == 3 and outer.stats().cycles == 1
+
+
+def test_a_scope_reopened_in_place_follows_the_capture_switch():
+    """A workspace's closed scope stays in place for its next cycle, whether it captures or not;
+    switching ``capture`` between cycles makes the next cycle capture as the switch says."""
+    ws = rustws.workspace("SWITCH", cfg(), capture=False)
+    outer = rustws.workspace("SWITCH-OUTER", cfg())
+    with outer:
+        for capture in (False, False, True, True, False, True):
+            ws.capture = capture
+            with ws:
+                assert allocate() == ((ws if capture else outer), ws)
+            assert allocate() == (outer, outer)  # the closed scope lends what is below it
+    assert allocate() == (None, None)
+    with ws:
+        assert allocate() == (ws, ws)
+    assert allocate() == (None, None)
+    assert ws.stats().cycles == 7 and outer.stats().cycles == 1

@@ -15,12 +15,13 @@
 //! captures nothing on another thread, nor anywhere once the scope has closed; reading the stack
 //! likewise skips the nodes of closed scopes and of other threads.
 //!
-//! A capturing scope that exits as the innermost one closes at once (its handler hands every
-//! request to the handler below it from then on) but its node stays in place: the next cycle of
-//! the same workspace in this context reopens it in place, so a loop of `with ws:` blocks writes
-//! NumPy's context variable once, not twice per cycle. The first request made through a closed
-//! node outside any cycle, or the next scope opened here, puts back what was below it
-//! ([`settle`]). Other scopes restore what was below them when they exit.
+//! A workspace's scope that exits as the innermost one closes at once (a capturing node's handler
+//! hands every request to the handler below it from then on; a node that does not capture lends
+//! that handler anyway) but its node stays in place: the next cycle of the same workspace in this
+//! context reopens it in place, so a loop of `with ws:` blocks writes NumPy's context variable
+//! once, not twice per cycle. The first request made through a closed capturing node outside any
+//! cycle, or the next scope opened here, puts back what was below it ([`settle`]). `borrow()` and
+//! `scope_out_of_workspaces()` restore what was below them when they exit.
 //!
 //! Scopes may exit out of order, as TorchSharp's dispose scopes do: the scope that exits is
 //! unlinked wherever it is in the stack (the open nodes above it are rebuilt over what was below
@@ -468,15 +469,23 @@ pub fn is_top(py: Python<'_>, state: &Arc<ScopeState>) -> PyResult<bool> {
     Ok(as_node(&top).is_some_and(|n| Arc::ptr_eq(&n.data.state, state)))
 }
 
-/// Reopens the innermost node when it is a closed capturing scope of `key` opened on this
-/// thread (the last `with ws:` of this workspace here): its state, open again, is returned, with
-/// `cycle` recorded; NumPy's handler is already the node's. None otherwise.
-pub fn reopen(py: Python<'_>, key: &Bound<'_, PyAny>, cycle: bool, task: usize) -> PyResult<Option<Arc<ScopeState>>> {
+/// Reopens the innermost node when it is a closed scope of the workspace `key` opened on this
+/// thread (the last `with ws:` of this workspace here) that captures when `captures`: its state,
+/// open again, is returned, with `cycle` recorded; NumPy's handler is already the node's. None
+/// otherwise.
+pub fn reopen(
+    py: Python<'_>,
+    key: &Bound<'_, PyAny>,
+    captures: bool,
+    cycle: bool,
+    task: usize,
+) -> PyResult<Option<Arc<ScopeState>>> {
     let top = current_handler(py)?;
     let Some(node) = as_node(&top) else { return Ok(None) };
     let state = &node.data.state;
     if !node.key_is(key)
-        || node.data.capture.is_none()
+        || node.data.owner != key.as_ptr()
+        || node.data.capture.is_some() != captures
         || state.thread != thread_ident()
         || state.task != task
         || state.open.load(Ordering::Relaxed)
@@ -547,10 +556,11 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     if let Some(node) = as_node(&top) {
         if matches(&node) {
             node.data.state.close();
-            if node.data.capture.is_none() {
+            // A workspace's own scope stays, closed, until reopened or settled (see the module
+            // docs); `borrow()` and `scope_out_of_workspaces()` restore what was below them.
+            if node.data.owner != node.data.key {
                 install(py, &node.below())?;
             }
-            // A capturing node stays, closed, until reopened or settled (see the module docs).
             return Ok(Popped::Innermost(node.data.state.clone()));
         }
     }

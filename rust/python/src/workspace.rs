@@ -117,7 +117,7 @@ impl WorkspaceCore {
         };
         let installs = self.installs_handler();
         // The node the last `with` of this workspace left here, reopened in place; else a new one.
-        let reopened = if installs { scope::reopen(py, me, !nested, task).map_err(undo)? } else { None };
+        let reopened = scope::reopen(py, me, installs, !nested, task).map_err(undo)?;
         let state = match reopened {
             Some(state) => state,
             None => {
