@@ -81,16 +81,21 @@ CHUNKS = 20
 WARMUP = 3
 
 
-def _vm_peak_kib() -> int:
-    """This process's peak address space in KiB (``VmPeak``), 0 where /proc does not say."""
+def _status_kib(field: str) -> int | None:
+    """A KiB field of ``/proc/self/status`` (``VmPeak``, ``VmHWM``), None where /proc does not say."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmPeak:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:  # pragma: no cover - not Linux
         pass
-    return 0
+    return None
+
+
+def _vm_peak_kib() -> int:
+    """This process's peak address space in KiB (``VmPeak``), 0 where /proc does not say."""
+    return _status_kib("VmPeak") or 0
 
 
 def _faults() -> int:
@@ -105,14 +110,8 @@ def peak_rss_kib() -> int:
     """This process's peak resident set in KiB: ``VmHWM``, the high-water mark of its own address
     space. (``ru_maxrss`` survives ``exec``, so a child started by a large parent would report
     at least the parent's peak.)"""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    hwm = _status_kib("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def _w1_body(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -144,6 +144,12 @@ impl WorkspaceCore {
         state: &scope::ScopeState,
     ) -> PyResult<()> {
         state.close();
+        self.end_level(py, me, state, true)
+    }
+
+    /// Ends what `state` opened in the core (its cycle, or its nested level), then reports
+    /// refused requests and escaped arrays (see `after_cycle`); nothing once destroyed.
+    fn end_level(&self, py: Python<'_>, me: &Bound<'_, PyAny>, state: &scope::ScopeState, clean: bool) -> PyResult<()> {
         if self.shared.is_destroyed() {
             return Ok(());
         }
@@ -157,7 +163,7 @@ impl WorkspaceCore {
         };
         reclaim(py, &self.memory);
         let r = ended.map_err(|e| to_py(py, e))?;
-        self.after_cycle(py, me, r, true)
+        self.after_cycle(py, me, r, clean)
     }
 
     /// The loop form's next iteration in the scope of `state`, reopened in place; false when its
@@ -218,19 +224,7 @@ impl WorkspaceCore {
             }
         };
         self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| !Arc::ptr_eq(s, &state));
-        if !self.shared.is_destroyed() {
-            let exited = {
-                let mut ws = self.shared.lock();
-                if state.opened_cycle() {
-                    ws.close_cycle()
-                } else {
-                    ws.unnest().map(|()| rustws_core::CycleReport::default())
-                }
-            };
-            reclaim(py, &self.memory);
-            let r = exited.map_err(|e| to_py(py, e))?;
-            self.after_cycle(py, me, r, clean)?;
-        }
+        self.end_level(py, me, &state, clean)?;
         if elsewhere {
             let what = scope::describe(me);
             let whence = if state.thread != scope::thread_ident() { "another thread" } else { "another task" };
