@@ -346,7 +346,7 @@ impl Workspace {
     }
 
     /// Closes the innermost level; the outermost one ends the cycle: learning, sizing, caches,
-    /// rewind.
+    /// rewind (or, at the next open, once what outlived the cycle has died).
     pub fn exit(&mut self) -> Result<CycleReport, Error> {
         if self.nesting > 0 {
             self.unnest().map(|()| CycleReport::default())
@@ -360,6 +360,13 @@ impl Workspace {
     pub fn open_cycle(&mut self) -> Result<(), Error> {
         self.check_alive()?;
         if self.active == 0 {
+            if self.config.policy_reset == ResetPolicy::BlockLeft {
+                // Blocks that outlived the last cycle and died since leave the region empty but
+                // carved up: it starts over, as it would have had they died inside that cycle.
+                if let Some(r) = self.region.as_mut().filter(|r| r.live_blocks() == 0) {
+                    r.rewind();
+                }
+            }
             self.accounts.open_cycle();
             self.cycle_spilled = 0;
             self.kept_in_arena = self.region.as_ref().is_some_and(|r| r.live_blocks() > 0);

@@ -687,3 +687,45 @@ fn holds_finds_live_memory_of_the_workspace_by_address() {
         w.exit().unwrap();
     });
 }
+
+#[test]
+fn blocks_that_die_between_cycles_leave_the_next_cycle_a_whole_arena() {
+    // Three cycles share a workspace in each step (DL4J's layer working memory: forward, backward,
+    // updater); each keeps a result alive past its end that dies before the next step begins.
+    // Each step then finds the arena as the first did: the same addresses, never a spill.
+    for_each_backend(|name, b| {
+        let config = WorkspaceConfiguration {
+            policy_allocation: AllocationPolicy::Strict,
+            policy_spill: SpillPolicy::Reallocate,
+            ..cfg()
+        };
+        let mut w = ws(b, config);
+        let sizes: [&[usize]; 3] = [&[2 << 20, 700_000, 48_000], &[2 << 20, 1 << 20, 300_000], &[600_000, 90_000]];
+        let mut first_of_step = Vec::new();
+        for _step in 0..30 {
+            let mut kept = Vec::new();
+            for (k, cycle) in sizes.iter().enumerate() {
+                w.enter().unwrap();
+                let blocks: Vec<_> = cycle.iter().map(|&s| w.alloc(s).unwrap()).collect();
+                if k == 0 {
+                    first_of_step.push(blocks[0]);
+                }
+                // The last block outlives the cycle; the others are temporaries.
+                for p in &blocks[..blocks.len() - 1] {
+                    // SAFETY: live, freed once.
+                    unsafe { w.free(*p) };
+                }
+                kept.push(blocks[blocks.len() - 1]);
+                w.exit().unwrap();
+            }
+            for p in kept {
+                // SAFETY: live, freed once, between cycles.
+                unsafe { w.free(p) };
+            }
+        }
+        let s = w.stats();
+        assert!(s.spill_count <= 1, "{name}: learning aside, nothing spills: {s:?}");
+        assert!(first_of_step[2..].iter().all(|p| *p == first_of_step[2]), "{name}: the arena drifted");
+        assert!((s.capacity_bytes as usize) < 6 << 20, "{name}: {s:?}");
+    });
+}
