@@ -5,7 +5,8 @@
 #     3 by default: a case costs minutes under Miri) and the conformance tests that fit its speed,
 #     all through the arena and workspace code, without the CUDA feature (Miri loads no driver);
 #   - AddressSanitizer, with LeakSanitizer, over every test of the core (the CUDA backends over the
-#     driver stand-in included, property tests at their full case counts), on the stable toolchain.
+#     driver stand-in included, property tests at their full case counts), on the stable toolchain;
+#   - ThreadSanitizer over the same tests, with the standard library rebuilt instrumented (nightly).
 # A checker that cannot be installed or run here is skipped with the reason; one that runs and
 # finds an error fails the script.
 set -euo pipefail
@@ -70,3 +71,29 @@ else
         --skip a_destroyed_workspace_returns_pages_as_its_blocks_die
 fi
 rm -rf "$probe"
+
+# -- ThreadSanitizer -----------------------------------------------------------------------------------
+# The standard library is rebuilt instrumented (-Zbuild-std), so that its atomics and locks are seen;
+# about 3 minutes here. A race report fails the run (halt_on_error).
+step "ThreadSanitizer: every test of the core (nightly, -Zbuild-std)"
+tsan() {
+    TSAN_OPTIONS="halt_on_error=1:allocator_may_return_null=1${TSAN_OPTIONS:+:$TSAN_OPTIONS}" \
+        RUSTFLAGS="-Zsanitizer=thread" cargo +nightly test -Zbuild-std -p rustws-core --lib --tests \
+        --target "$host" --target-dir target/tsan --quiet "$@"
+}
+if [ "$host" != "x86_64-unknown-linux-gnu" ]; then
+    skip "ThreadSanitizer runs here on x86_64-unknown-linux-gnu only (host is $host)"
+elif ! cargo +nightly --version >/dev/null 2>&1; then
+    skip "no nightly toolchain (ThreadSanitizer needs -Zbuild-std)"
+elif ! rustup component add rust-src --toolchain nightly >/dev/null 2>&1 &&
+    ! rustup component list --toolchain nightly --installed 2>/dev/null | grep -q '^rust-src'; then
+    skip "the nightly toolchain has no rust-src component and adding it failed (-Zbuild-std needs it)"
+elif ! why=$(tsan --no-run 2>&1); then
+    skip "the core does not build under -Zsanitizer=thread here: $(echo "$why" | tail -3)"
+else
+    echo "not under TSan: the residency tests (its shadow memory is part of the resident size)"
+    tsan -- \
+        --skip a_retired_region_keeps_only_pages_under_live_blocks \
+        --skip a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena \
+        --skip a_destroyed_workspace_returns_pages_as_its_blocks_die
+fi
