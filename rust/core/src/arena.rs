@@ -92,9 +92,10 @@ pub struct BlockHeader {
     /// The workspace generation (completed cycles) when the block was handed out.
     pub generation: u64,
     /// For blocks of their own whose header sits in front of them (outside the arena): the data
-    /// addresses of the previous and next such block of the workspace (0: none), the list by
-    /// which an address is found to lie in the workspace's memory. 0 elsewhere.
-    pub links: [usize; 2],
+    /// of the previous and next such block of the workspace (null: none), the list by which an
+    /// address is found to lie in the workspace's memory. For a cached block of its own: null and
+    /// the next cached block of its class. Null elsewhere.
+    pub links: [*mut u8; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<BlockHeader>() == HEADER);
@@ -111,7 +112,7 @@ impl BlockHeader {
             slot,
             requested,
             generation,
-            links: [0; 2],
+            links: [std::ptr::null_mut(); 2],
         }
     }
 
@@ -404,7 +405,7 @@ impl ArenaRegion {
                 slot,
                 requested: 0,
                 generation: 0,
-                links: [0; 2],
+                links: [std::ptr::null_mut(); 2],
             })
         };
     }

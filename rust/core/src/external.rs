@@ -34,9 +34,9 @@ pub(crate) struct OwnBlocks {
     /// Headers of blocks whose header cannot sit in front of them, by data address; each
     /// pointer owns its allocation.
     outside: HashMap<usize, NonNull<BlockHeader>>,
-    /// The first of the blocks whose headers sit in front of them (data address, 0: none),
-    /// live or cached, huge ones included, linked through their headers' `links`.
-    first: usize,
+    /// The first of the live blocks whose headers sit in front of them (its data; null: none),
+    /// huge ones included, linked through their headers' `links`.
+    first: *mut u8,
     cache: BlockCache,
 }
 
@@ -44,7 +44,9 @@ pub(crate) struct OwnBlocks {
 /// the next block's data address, 0 ending the list).
 #[derive(Debug)]
 struct BlockCache {
-    heads: Box<[usize; CLASSES]>,
+    /// The first cached block of each class (its data; null: none), the others linked through
+    /// their headers' `links[1]`.
+    heads: Box<[*mut u8; CLASSES]>,
     nonempty: ClassSet,
     /// The generation each class was last used in.
     used: Box<[u64; CLASSES]>,
@@ -87,9 +89,9 @@ impl OwnBlocks {
             owner,
             backend,
             outside: HashMap::new(),
-            first: 0,
+            first: std::ptr::null_mut(),
             cache: BlockCache {
-                heads: Box::new([0; CLASSES]),
+                heads: Box::new([std::ptr::null_mut(); CLASSES]),
                 nonempty: ClassSet::default(),
                 used: Box::new([0; CLASSES]),
                 bytes: 0,
@@ -143,12 +145,12 @@ impl OwnBlocks {
         let first = self.first;
         // SAFETY: the caller's guarantee; the first block's header is ours to write.
         unsafe {
-            (*p.sub(HEADER).cast::<BlockHeader>().as_ptr()).links = [0, first];
-            if let Some(f) = NonNull::new(first as *mut u8) {
-                (*f.sub(HEADER).cast::<BlockHeader>().as_ptr()).links[0] = p.as_ptr() as usize;
+            (*p.sub(HEADER).cast::<BlockHeader>().as_ptr()).links = [std::ptr::null_mut(), first];
+            if let Some(f) = NonNull::new(first) {
+                (*f.sub(HEADER).cast::<BlockHeader>().as_ptr()).links[0] = p.as_ptr();
             }
         }
-        self.first = p.as_ptr() as usize;
+        self.first = p.as_ptr();
     }
 
     /// Takes `p` off the list of blocks whose headers sit in front of them.
@@ -159,11 +161,11 @@ impl OwnBlocks {
         // SAFETY: blocks on the list are readable and ours (the caller's guarantee for `p`).
         unsafe {
             let [prev, next] = (*p.sub(HEADER).cast::<BlockHeader>().as_ptr()).links;
-            match NonNull::new(prev as *mut u8) {
+            match NonNull::new(prev) {
                 Some(q) => (*q.sub(HEADER).cast::<BlockHeader>().as_ptr()).links[1] = next,
                 None => self.first = next,
             }
-            if let Some(q) = NonNull::new(next as *mut u8) {
+            if let Some(q) = NonNull::new(next) {
                 (*q.sub(HEADER).cast::<BlockHeader>().as_ptr()).links[0] = prev;
             }
         }
@@ -184,10 +186,10 @@ impl OwnBlocks {
             });
         }
         let mut p = self.first;
-        while let Some(q) = NonNull::new(p as *mut u8) {
+        while let Some(q) = NonNull::new(p) {
             // SAFETY: blocks on the list are readable and ours.
             let h = unsafe { &*q.sub(HEADER).cast::<BlockHeader>().as_ptr() };
-            if inside(p, h, h.slot - HEADER) {
+            if inside(q.as_ptr() as usize, h, h.slot - HEADER) {
                 return true;
             }
             p = h.links[1];
@@ -250,31 +252,45 @@ impl OwnBlocks {
         Some(self.pop(class))
     }
 
-    /// Takes the first block off the (non-empty) list of `class`.
+    /// Takes the first block off the (non-empty) list of `class`; a block whose header sits in
+    /// front of it goes back on the list of blocks of their own.
     fn pop(&mut self, class: usize) -> (NonNull<u8>, usize) {
-        let p = NonNull::new(self.cache.heads[class] as *mut u8).expect("a listed block");
-        // SAFETY: a cached block of ours.
-        let h = unsafe { &mut *self.header(p).as_ptr() };
-        self.cache.heads[class] = h.requested;
-        if h.requested == 0 {
+        let p = NonNull::new(self.cache.heads[class]).expect("a listed block");
+        let (next, slot) = {
+            // SAFETY: a cached block of ours; the borrow ends in this block.
+            let h = unsafe { &mut *self.header(p).as_ptr() };
+            let next = std::mem::replace(&mut h.links, [std::ptr::null_mut(); 2])[1];
+            (next, h.slot)
+        };
+        self.cache.heads[class] = next;
+        if next.is_null() {
             self.cache.nonempty.remove(class);
         }
-        self.cache.bytes -= h.slot;
-        (p, h.slot)
+        self.cache.bytes -= slot;
+        if self.inline {
+            // SAFETY: on neither list since `put_cached`; readable until released.
+            unsafe { self.link(p) };
+        }
+        (p, slot)
     }
 
-    /// Keeps a freed external block of `slot` bytes for reuse.
+    /// Keeps a freed external block of `slot` bytes for reuse: off the list of blocks of their
+    /// own (nothing lives in it), onto the cache's list of its class.
     ///
     /// # Safety
     /// `p` is a block of this table that nothing uses any more, put once.
     pub unsafe fn put_cached(&mut self, p: NonNull<u8>, slot: usize, generation: u64) {
         let class = floor_class(slot - HEADER).expect("blocks hold at least 64 bytes");
-        let next = if self.cache.nonempty.contains(class) { self.cache.heads[class] } else { 0 };
+        let next = if self.cache.nonempty.contains(class) { self.cache.heads[class] } else { std::ptr::null_mut() };
+        if self.inline {
+            // SAFETY: a live block of ours whose header sits in front of it: on the list.
+            unsafe { self.unlink(p) };
+        }
         // SAFETY: a block of ours; its header is ours to write.
         let h = unsafe { &mut *self.header(p).as_ptr() };
         h.magic = MAGIC_FREE;
-        h.requested = next;
-        self.cache.heads[class] = p.as_ptr() as usize;
+        h.links = [std::ptr::null_mut(), next];
+        self.cache.heads[class] = p.as_ptr();
         self.cache.nonempty.insert(class);
         self.cache.used[class] = generation;
         self.cache.bytes += slot;
