@@ -437,18 +437,23 @@ fn frees_from_another_thread_through_a_lock() {
     let w = Arc::new(std::sync::Mutex::new(
         Workspace::new("X", WorkspaceConfiguration { initial_size: 1 << 20, ..cfg() }).unwrap(),
     ));
-    let ptrs: Vec<usize> = {
+    /// Blocks handed to the thread that frees them.
+    struct Blocks(Vec<NonNull<u8>>);
+    // SAFETY: workspace blocks may be freed from any thread (through the workspace's lock).
+    unsafe impl Send for Blocks {}
+    let blocks = {
         let mut g = w.lock().unwrap();
         g.enter().unwrap();
-        let v = (0..100).map(|_| g.alloc(1000).unwrap().as_ptr() as usize).collect();
+        let v = (0..100).map(|_| g.alloc(1000).unwrap()).collect();
         g.exit().unwrap();
-        v
+        Blocks(v)
     };
     let w2 = w.clone();
     std::thread::spawn(move || {
-        for p in ptrs {
+        let blocks = blocks;
+        for p in blocks.0 {
             // SAFETY: each pointer is a live block of this workspace, freed once.
-            unsafe { w2.lock().unwrap().free(NonNull::new(p as *mut u8).unwrap()) };
+            unsafe { w2.lock().unwrap().free(p) };
         }
     })
     .join()
