@@ -117,24 +117,28 @@ for i in range(20):
     assert "ok" in r.stdout
 
 
-@pytest.fixture
-def small_tmpfs():
-    folder = tempfile.mkdtemp(prefix="rustws-tmpfs-")
+def _mounted_tmpfs(prefix: str, options: str, what: str):
+    """A tmpfs mounted with ``options`` for the test, unmounted after; skipped, saying why, where
+    this machine cannot mount one."""
+    folder = tempfile.mkdtemp(prefix=prefix)
     mount = shutil.which("mount")
     if mount is None or not sys.platform.startswith("linux"):
         os.rmdir(folder)
-        pytest.skip("no mount command: cannot make a small file system")
-    r = subprocess.run(
-        [mount, "-t", "tmpfs", "-o", "size=8m", "tmpfs", folder], capture_output=True, text=True
-    )
+        pytest.skip(f"no mount command: cannot make {what}")
+    r = subprocess.run([mount, "-t", "tmpfs", "-o", options, "tmpfs", folder], capture_output=True, text=True)
     if r.returncode != 0:
         os.rmdir(folder)
-        pytest.skip(f"mounting an 8 MiB tmpfs is not permitted here: {r.stderr.strip()}")
+        pytest.skip(f"mounting {what} is not permitted here: {r.stderr.strip()}")
     try:
         yield folder
     finally:
         subprocess.run(["umount", folder], capture_output=True)
         os.rmdir(folder)
+
+
+@pytest.fixture
+def small_tmpfs():
+    yield from _mounted_tmpfs("rustws-tmpfs-", "size=8m", "an 8 MiB tmpfs")
 
 
 def test_an_arena_larger_than_its_file_system_is_out_of_memory_not_sigbus(small_tmpfs):
@@ -454,22 +458,7 @@ def test_a_folder_without_permission_is_a_value_error(tmp_path):
 
 @pytest.fixture
 def read_only_mount():
-    folder = tempfile.mkdtemp(prefix="rustws-ro-")
-    mount = shutil.which("mount")
-    if mount is None or not sys.platform.startswith("linux"):
-        os.rmdir(folder)
-        pytest.skip("no mount command: cannot make a read-only file system")
-    r = subprocess.run(
-        [mount, "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", folder], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        os.rmdir(folder)
-        pytest.skip(f"mounting a read-only tmpfs is not permitted here: {r.stderr.strip()}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", folder], capture_output=True)
-        os.rmdir(folder)
+    yield from _mounted_tmpfs("rustws-ro-", "ro,size=1m", "a read-only tmpfs")
 
 
 def test_a_read_only_file_system_is_a_value_error(read_only_mount):

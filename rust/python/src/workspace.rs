@@ -239,6 +239,21 @@ impl WorkspaceCore {
         }
         Ok(())
     }
+
+    /// `empty` and `zeros`: an ndarray over workspace memory, or a `DeviceArray` for a device
+    /// workspace.
+    fn allocate_array<'py>(
+        slf: &Bound<'py, Self>,
+        shape: &Bound<'py, PyAny>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        order: &str,
+        zeroed: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match slf.get().device.get() {
+            Some(side) => devarray::new_device_array(slf, side, shape, dtype, order, zeroed),
+            None => slf.get().new_array(slf.py(), shape, dtype, order, zeroed),
+        }
+    }
 }
 
 impl Drop for WorkspaceCore {
@@ -511,10 +526,7 @@ impl WorkspaceCore {
         dtype: Option<&Bound<'py, PyAny>>,
         order: &str,
     ) -> PyResult<Bound<'py, PyAny>> {
-        match slf.get().device.get() {
-            Some(side) => devarray::new_device_array(slf, side, shape, dtype, order, false),
-            None => slf.get().new_array(slf.py(), shape, dtype, order, false),
-        }
+        Self::allocate_array(slf, shape, dtype, order, false)
     }
 
     /// A new zero-filled array over workspace memory: an ndarray, or a `DeviceArray` for a
@@ -526,10 +538,7 @@ impl WorkspaceCore {
         dtype: Option<&Bound<'py, PyAny>>,
         order: &str,
     ) -> PyResult<Bound<'py, PyAny>> {
-        match slf.get().device.get() {
-            Some(side) => devarray::new_device_array(slf, side, shape, dtype, order, true),
-            None => slf.get().new_array(slf.py(), shape, dtype, order, true),
-        }
+        Self::allocate_array(slf, shape, dtype, order, true)
     }
 
     /// A new ndarray over workspace memory (refused for device memory), whatever the workspace.
