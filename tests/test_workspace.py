@@ -684,27 +684,34 @@ def test_exiting_a_scope_that_is_not_the_innermost_unlinks_it():
         a.__exit__(None, None, None)
 
 
-def test_exiting_from_another_thread():
+@pytest.mark.parametrize("scope", ["cycle", "borrow", "scope_out"])
+def test_an_exit_from_another_thread_is_refused_and_changes_nothing(scope):
     ws = rustws.workspace("TH", cfg(initial_size=MiB))
-    ws.__enter__()
+    cm = {"cycle": ws, "borrow": ws.borrow(), "scope_out": rustws.scope_out_of_workspaces()}[scope]
+    cm.__enter__()
+    inside = rustws.current_workspace()
     errors = []
 
     def other():
         try:
-            ws.__exit__(None, None, None)
+            cm.__exit__(None, None, None)
         except rustws.ScopeError as e:
             errors.append(str(e))
 
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    # A scope exited on another thread (as a generator finalised there exits it) is refused with
-    # ScopeError, and closed all the same: nothing is left open or capturing on this thread.
-    assert errors and "another thread" in errors[0]
+    # Another thread's exit is refused with ScopeError and changes nothing: the scope is still
+    # open here, and its owner's own exit works.
+    assert errors and "another thread" in errors[0] and "nothing changed" in errors[0]
+    assert rustws.current_workspace() is inside
+    assert ws.is_open == (scope == "cycle")
+    assert (rustws.owner(np.ones(1000) + 1) is ws) == (scope in ("cycle", "borrow"))
+    cm.__exit__(None, None, None)
     assert not ws.is_open and rustws.current_workspace() is None
-    assert rustws.owner(np.ones(10) + 1) is None
+    assert rustws.owner(np.ones(1000) + 1) is None
     with pytest.raises(rustws.ScopeError, match="not open"):
-        ws.__exit__(None, None, None)
+        cm.__exit__(None, None, None)
 
 
 def test_using_a_destroyed_workspace():

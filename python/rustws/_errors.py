@@ -8,6 +8,8 @@ their cycle under ``RUSTWS_STRICT=1``), ``KeyError`` for lookups.
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
     "DeviceUnavailableError",
     "DisposedArrayError",
@@ -28,8 +30,23 @@ class WorkspaceError(Exception):
 class WorkspaceOutOfMemory(WorkspaceError, MemoryError):
     """A request the workspace cannot serve.
 
-    The message names the workspace, the request, the bytes in use and the limit.
+    The message names the workspace, the request, the bytes in use and the limit. The numbers are
+    also attributes: ``workspace``, ``requested`` (bytes), ``in_use`` (requested bytes of live
+    blocks), ``limit`` (``max_size``, or the arena's capacity where there is none), ``footprint``
+    (bytes the workspace held from the system), ``pinned`` (bytes of blocks that outlived their
+    cycle), ``cached`` (bytes kept for reuse) and ``reason``; for a refusal of the system,
+    ``system`` says what the system refused (``None`` for the workspace's own refusals).
     """
+
+    workspace: str | None = None
+    requested: int | None = None
+    in_use: int | None = None
+    limit: int | None = None
+    footprint: int | None = None
+    pinned: int | None = None
+    cached: int | None = None
+    reason: str | None = None
+    system: str | None = None
 
 
 class WorkspaceClosedError(WorkspaceError, RuntimeError):
@@ -65,3 +82,71 @@ class EscapedArrayWarning(ResourceWarning):
     they die. A ``ResourceWarning``, but shown under Python's default warning filters (importing
     rustws puts a ``default`` filter for this category just before the standard one that ignores
     ``ResourceWarning``, so ``-W`` options and filters set by the program still decide)."""
+
+
+# -- made by the bindings --------------------------------------------------------------------------
+# The Rust core's errors carry numbers and fixed text; these factories turn them into exceptions,
+# formatting their messages here, in Python: building an error where memory ran out then needs
+# no allocation of the bindings' own, and a message that cannot be formatted for want of memory is
+# a ``MemoryError`` like the one it reports.
+
+
+def _refused(
+    workspace: str,
+    requested: int,
+    in_use: int,
+    limit: int,
+    footprint: int,
+    pinned: int,
+    cached: int,
+    reason: str,
+) -> WorkspaceOutOfMemory:
+    size = "more bytes than a size holds" if requested >= 2**64 - 1 else f"{requested} bytes"
+    e = WorkspaceOutOfMemory(
+        f"workspace {_quoted(workspace)} cannot allocate {size}: {in_use} bytes in use, limit {limit} bytes "
+        f"({reason})"
+    )
+    e.workspace, e.requested, e.in_use, e.limit = workspace, requested, in_use, limit
+    e.footprint, e.pinned, e.cached, e.reason = footprint, pinned, cached, reason
+    return e
+
+
+def _system_refused(workspace: str, requested: int, system: str) -> WorkspaceOutOfMemory:
+    e = WorkspaceOutOfMemory(
+        f"workspace {_quoted(workspace)} cannot allocate {requested} bytes: "
+        f"the system refused memory ({system})"
+    )
+    e.workspace, e.requested, e.reason, e.system = workspace, requested, "the system refused memory", system
+    return e
+
+
+def _backend_refusal(op: str, nbytes: int, kind: int, code: int, held: int, name: str, text: str) -> str:
+    """What a memory source refused, as the core describes it (``kind``: 0 the operating system's
+    ``errno`` ``code``, 1 the CUDA driver's result ``code`` named ``name`` (``text`` its
+    description), 2 a limit of ``code`` bytes of which ``held`` were held, 3 the source's own
+    reason ``text``)."""
+    head = f"{op} of {nbytes} bytes failed: " if nbytes else f"{op} failed: "
+    if kind == 0:
+        return head + f"{os.strerror(code)} (os error {code})"
+    if kind == 1:
+        return head + (f"{name}: {text}" if text else name) + f" (CUDA error {code})"
+    if kind == 2:
+        return head + f"limit of {code} bytes reached ({held} held)"
+    return head + text
+
+
+def _closed(workspace: str) -> WorkspaceClosedError:
+    return WorkspaceClosedError(f"workspace {_quoted(workspace)} was destroyed")
+
+
+def _not_open(workspace: str, operation: str) -> ScopeError:
+    return ScopeError(f"workspace {_quoted(workspace)} has no open cycle: {operation} needs one")
+
+
+def _quoted(name: str) -> str:
+    """A workspace's name as the core's own messages quote it (in double quotes, escaped)."""
+    return '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _unavailable(what: str, system: str) -> DeviceUnavailableError:
+    return DeviceUnavailableError(f"{what}: {system}" if system else what)

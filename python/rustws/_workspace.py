@@ -269,10 +269,10 @@ class Workspace(_rustws.WorkspaceCore):
         except MemoryError as e:
             if isinstance(e, WorkspaceOutOfMemory):
                 raise
-            reasons = self._drain_failures()
-            if not reasons:
+            refusals = self._drain_failures()
+            if not refusals:
                 raise
-            raise WorkspaceOutOfMemory(reasons[-1]) from None
+            raise refusals[-1] from None
         finally:
             _rustws.set_handler(previous)
 
@@ -480,22 +480,22 @@ def _as_ndarray(a: Any) -> NDArray[Any]:
     return np.asarray(a)
 
 
-def _report_refusals(messages: list[str]) -> None:
+def _report_refusals(refusals: list[BaseException]) -> None:
     """Tells why captured requests were refused. NumPy turns a refusal into its plain
     ``MemoryError`` ("Unable to allocate ..."); when that error is what leaves the cycle, the
     workspace's reasons are added to it as notes (PEP 678), so the traceback says why. Every
     refusal is also logged (WARNING), including those whose error was caught inside the cycle."""
-    if not messages:
+    if not refusals:
         return
     exc = sys.exc_info()[1]
     if isinstance(exc, MemoryError) and not isinstance(exc, WorkspaceOutOfMemory):
         notes = getattr(exc, "__notes__", ())
-        for message in messages:
-            note = f"rustws: {message}"
+        for refusal in refusals:
+            note = f"rustws: {refusal}"
             if note not in notes:
                 exc.add_note(note)
-    for message in messages:
-        logger.warning("%s", message)
+    for refusal in refusals:
+        logger.warning("%s", refusal)
 
 
 def _check_name(name: Any) -> str:

@@ -283,6 +283,7 @@ STANDIN_EXPORT CUresult cuGetErrorName(CUresult e, const char **out) {
     case CUDA_ERROR_INVALID_CONTEXT: *out = "CUDA_ERROR_INVALID_CONTEXT"; break;
     case CUDA_ERROR_INVALID_HANDLE: *out = "CUDA_ERROR_INVALID_HANDLE"; break;
     case CUDA_ERROR_NOT_READY: *out = "CUDA_ERROR_NOT_READY"; break;
+    case CUDA_ERROR_LAUNCH_FAILED: *out = "CUDA_ERROR_LAUNCH_FAILED"; break;
     default: *out = NULL; return CUDA_ERROR_INVALID_VALUE;
     }
     return CUDA_SUCCESS;

@@ -82,6 +82,8 @@ pub(crate) struct Accounts {
     pub allocations: u64,
     pub spills: u64,
     pub failures: u64,
+    /// Bytes pre-faulted synchronously, in total.
+    pub prefaulted: u64,
 }
 
 impl Accounts {

@@ -21,11 +21,14 @@
 //! A circular region (`ResetPolicy::ENDOFBUFFER_REACHED`) keeps no free lists: allocation moves
 //! on through the region across cycles and wraps at its end, as the policy says.
 
-use std::ptr::NonNull;
+use std::ptr::{addr_of, NonNull};
 use std::sync::Arc;
 
 use crate::backend::{AnonymousMemory, Backend, BLOCK_ALIGN};
 use crate::classes::{class_of, class_size, ClassSet, CLASSES, PAGE_ALIGNED_FROM};
+use crate::error::BackendError;
+use crate::fallible::try_box;
+use crate::sanitizer::{poison, unpoison};
 
 /// Bytes of the header in front of every block; also the alignment of every block's data.
 pub const HEADER: usize = 64;
@@ -39,8 +42,8 @@ pub(crate) const LARGE_DATA_ALIGN: usize = 4096;
 
 const MAGIC_LIVE: u32 = 0x5257_534C; // "RWSL"
 pub(crate) const MAGIC_FREE: u32 = 0x5257_5346; // "RWSF"
-/// Free and on a free list: `region` holds the lists' epoch, `requested` the next block's offset
-/// and `generation` the previous one's (see [`FreeLists`]).
+/// Free and on a free list: `region` holds the lists' epoch (which never wraps), `requested` the
+/// next block's offset and `generation` the previous one's (see [`FreeLists`]).
 const MAGIC_LISTED: u32 = 0x5257_5345; // "RWSE"
 /// Free and in its class's hot slot (see [`FreeLists`]).
 const MAGIC_HOT: u32 = 0x5257_5348; // "RWSH"
@@ -81,8 +84,9 @@ pub struct BlockHeader {
     pub kind: BlockKind,
     /// The size class of an arena block ([`NO_CLASS`] for other blocks).
     pub class: u16,
-    /// Id of the region holding an arena block.
-    pub region: u32,
+    /// Id of the region holding an arena block: unique in its workspace for the life of the
+    /// process (64 bits never wrap), so a stale header never names a live region by chance.
+    pub region: u64,
     /// The token of the workspace that handed the block out ([`crate::Workspace::token`]).
     pub owner: u64,
     /// Bytes from this header to the next one (arena) or of the whole allocation (external).
@@ -102,7 +106,7 @@ const _: () = assert!(std::mem::size_of::<BlockHeader>() == HEADER);
 
 impl BlockHeader {
     /// The header of a block just handed out by the workspace `owner`.
-    pub fn live(kind: BlockKind, owner: u64, region: u32, slot: usize, requested: usize, generation: u64) -> Self {
+    pub fn live(kind: BlockKind, owner: u64, region: u64, slot: usize, requested: usize, generation: u64) -> Self {
         BlockHeader {
             magic: MAGIC_LIVE,
             kind,
@@ -134,21 +138,22 @@ struct FreeLists {
     hot_set: ClassSet,
     heads: [usize; CLASSES],
     nonempty: ClassSet,
-    epoch: u32,
+    /// Advances at every clear; 64 bits never wrap back to an epoch still written in a header.
+    epoch: u64,
     /// Slot bytes of the blocks in hot slots and on the lists.
     bytes: usize,
 }
 
 impl FreeLists {
-    fn new() -> Box<Self> {
-        Box::new(FreeLists {
+    fn new() -> Self {
+        FreeLists {
             hot: [NONE; CLASSES],
             hot_set: ClassSet::default(),
             heads: [NONE; CLASSES],
             nonempty: ClassSet::default(),
             epoch: 1,
             bytes: 0,
-        })
+        }
     }
 
     fn clear(&mut self) {
@@ -190,7 +195,7 @@ pub unsafe fn write_live_header(
     at: NonNull<u8>,
     kind: BlockKind,
     owner: u64,
-    region: u32,
+    region: u64,
     slot: usize,
     requested: usize,
     generation: u64,
@@ -203,16 +208,27 @@ pub unsafe fn write_live_header(
     }
 }
 
-/// The kind of the block whose header is at `h`, if the header says live (a freed or foreign
-/// header yields None: its kind byte is not read).
+/// The kind of the block whose header is at `h`, if the header says live; None for a freed
+/// header, and for bytes that are no header at all (the kind byte is read as a byte and checked,
+/// so any bytes may be asked about).
 ///
 /// # Safety
 /// `h` is readable for `HEADER` bytes and 64-byte aligned.
 #[inline]
 pub unsafe fn live_kind(h: *const BlockHeader) -> Option<BlockKind> {
-    // SAFETY: the caller's guarantee; the kind is read only behind a live magic, which only
-    // `BlockHeader::live` writes, together with a valid kind.
-    unsafe { (std::ptr::addr_of!((*h).magic).read() == MAGIC_LIVE).then(|| std::ptr::addr_of!((*h).kind).read()) }
+    // SAFETY: the caller's guarantee; both fields are read as plain integers.
+    let (magic, kind) = unsafe { (addr_of!((*h).magic).read(), addr_of!((*h).kind).cast::<u8>().read()) };
+    if magic != MAGIC_LIVE {
+        return None;
+    }
+    match kind {
+        1 => Some(BlockKind::Arena),
+        2 => Some(BlockKind::External),
+        3 => Some(BlockKind::Bypass),
+        4 => Some(BlockKind::Huge),
+        5 => Some(BlockKind::Foreign),
+        _ => None,
+    }
 }
 
 /// The header in front of a data pointer.
@@ -231,7 +247,7 @@ pub unsafe fn header_of(data: NonNull<u8>) -> NonNull<BlockHeader> {
 /// (only pages holding headers become resident), so device memory is never read or written here.
 #[derive(Debug)]
 pub struct ArenaRegion {
-    id: u32,
+    id: u64,
     /// The token of the workspace it belongs to (written in its blocks' headers).
     owner: u64,
     data: NonNull<u8>,
@@ -260,6 +276,8 @@ pub struct ArenaRegion {
     prefaulted: usize,
     /// The LIFO free lists by class; None in a circular region.
     lists: Option<Box<FreeLists>>,
+    /// Whether the data of free blocks is poisoned for AddressSanitizer (host memory only).
+    poisons: bool,
 }
 
 // SAFETY: the region exclusively owns its mapping; the raw base pointer is only dereferenced
@@ -271,8 +289,20 @@ impl ArenaRegion {
     /// Maps a region of `capacity` bytes (a multiple of 64) from `backend`; `lists`: keep LIFO
     /// free lists by class (a region that rewinds at cycle ends), else allocate circularly. Its
     /// pages fault in on first use, or earlier through [`ArenaRegion::populate`].
-    pub fn new(id: u32, owner: u64, capacity: usize, backend: Arc<dyn Backend>, lists: bool) -> Result<Self, String> {
+    pub fn new(
+        id: u64,
+        owner: u64,
+        capacity: usize,
+        backend: Arc<dyn Backend>,
+        lists: bool,
+    ) -> Result<Self, BackendError> {
         debug_assert_eq!(capacity % BLOCK_ALIGN, 0);
+        let lists = if lists {
+            // The lists before the mapping: no room for them is a clean refusal.
+            Some(try_box(FreeLists::new()).ok_or(BackendError::os("map", capacity, libc::ENOMEM))?)
+        } else {
+            None
+        };
         let data = backend.map(capacity, false)?;
         let meta = if backend.host_accessible() {
             data
@@ -282,7 +312,8 @@ impl ArenaRegion {
                 Err(e) => {
                     // SAFETY: mapped just above, released once, never handed out.
                     unsafe { backend.unmap(data, capacity) };
-                    return Err(format!("no host memory for the headers of a device region: {e}"));
+                    // No host memory for the headers of a device region.
+                    return Err(e);
                 }
             }
         };
@@ -302,7 +333,8 @@ impl ArenaRegion {
             live_prefix: 0,
             dirty_end: 0,
             prefaulted: 0,
-            lists: lists.then(FreeLists::new),
+            lists,
+            poisons: meta == data,
         };
         region.take_tail(0);
         Ok(region)
@@ -342,7 +374,7 @@ impl ArenaRegion {
         self.freed_since_scan
     }
 
-    pub fn id(&self) -> u32 {
+    pub fn id(&self) -> u64 {
         self.id
     }
 
@@ -360,21 +392,26 @@ impl ArenaRegion {
         (b..b + self.capacity).contains(&(p as usize))
     }
 
+    /// The offset of the header of a block whose data would start at `p`: None unless `p` lies
+    /// in this region with room for a header in front of it, on a block boundary.
+    #[inline]
+    pub fn header_offset(&self, p: NonNull<u8>) -> Option<usize> {
+        let at = (p.as_ptr() as usize).checked_sub(self.data.as_ptr() as usize)?;
+        (at >= HEADER && at < self.capacity && at % BLOCK_ALIGN == 0).then(|| at - HEADER)
+    }
+
     /// The base address of the region's block memory.
     pub fn base(&self) -> NonNull<u8> {
         self.data
     }
 
-    /// The header of the block whose data starts at `p`, if `p` is in this region.
-    ///
-    /// # Safety
-    /// When `p` is in the region, it is the data pointer of a live block of this region.
-    pub unsafe fn header_for(&self, p: NonNull<u8>) -> Option<NonNull<BlockHeader>> {
-        if !self.contains(p.as_ptr()) {
-            return None;
-        }
-        let off = p.as_ptr() as usize - self.data.as_ptr() as usize - HEADER;
-        // SAFETY: the caller guarantees a live block, whose header is at its offset in `meta`.
+    /// Where the header of a block whose data starts at `p` lies, when `p` is on a block
+    /// boundary of this region with room for a header in front of it: memory this region maps,
+    /// readable whatever it holds (a live header, a free one, or a live block's data).
+    #[inline]
+    pub fn header_at_data(&self, p: NonNull<u8>) -> Option<NonNull<BlockHeader>> {
+        let off = self.header_offset(p)?;
+        // SAFETY: `off < capacity`, inside the header mapping.
         Some(unsafe { self.meta.add(off).cast() })
     }
 
@@ -391,8 +428,25 @@ impl ArenaRegion {
         unsafe { &mut *self.meta.as_ptr().add(off).cast::<BlockHeader>() }
     }
 
+    /// Poisons `[off, off + len)` of the block memory (see [`crate::sanitizer`]).
+    #[inline(always)]
+    fn poison(&self, off: usize, len: usize) {
+        if self.poisons {
+            poison(self.data.as_ptr().wrapping_add(off), len);
+        }
+    }
+
+    #[inline(always)]
+    fn unpoison(&self, off: usize, len: usize) {
+        if self.poisons {
+            unpoison(self.data.as_ptr().wrapping_add(off), len);
+        }
+    }
+
     fn write_free_header(&mut self, off: usize, slot: usize) {
         debug_assert!(slot >= HEADER && off + slot <= self.capacity);
+        // The spot may lie in the poisoned data of a block freed before.
+        self.unpoison(off, HEADER);
         // SAFETY: `[off, off+slot)` is free memory inside the region (a closed hole or a merged
         // run of freed blocks); nothing else refers to it.
         unsafe {
@@ -454,6 +508,7 @@ impl ArenaRegion {
         h.requested = requested;
         h.generation = generation;
         self.live_blocks += 1;
+        self.unpoison(off + HEADER, slot - HEADER);
         // SAFETY: a block of this region, inside the mapping.
         (unsafe { self.data.add(off + HEADER) }, slot, off)
     }
@@ -624,6 +679,7 @@ impl ArenaRegion {
     #[inline]
     pub unsafe fn hand_out(&mut self, off: usize, slot: usize, requested: usize, generation: u64) -> NonNull<u8> {
         self.live_blocks += 1;
+        self.unpoison(off, slot);
         // SAFETY: `[off, off+slot)` was carved from a hole for the caller and is inside the
         // mapping; offsets are multiples of 64 from 64-aligned bases; headers go to `meta`.
         unsafe {
@@ -790,6 +846,7 @@ impl ArenaRegion {
         let (slot, class) = (h.slot, h.class as usize);
         self.live_blocks -= 1;
         h.magic = MAGIC_FREE;
+        self.poison(off + HEADER, slot - HEADER);
         self.live_prefix = self.live_prefix.min(off);
         // Its memory was used: a zeroed request served from it must be written.
         self.dirty_end = self.dirty_end.max(off + slot);
@@ -938,6 +995,8 @@ impl ArenaRegion {
 
 impl Drop for ArenaRegion {
     fn drop(&mut self) {
+        // The addresses may be mapped again by anyone: nothing of them stays poisoned.
+        self.unpoison(0, self.capacity);
         // SAFETY: the region was mapped by `backend` with this capacity and is released once,
         // here; the owning workspace drops a region only when no block in it is live, or when
         // the workspace itself is dropped (its contract: all blocks released first).

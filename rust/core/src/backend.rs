@@ -66,6 +66,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+pub use crate::error::{BackendError, Cause};
+
 /// Alignment of every region and block any backend hands out.
 pub const BLOCK_ALIGN: usize = 64;
 
@@ -80,7 +82,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Maps a zero-filled region of `len` bytes aligned to at least [`BLOCK_ALIGN`]. When
     /// `prefault` is set, every page is resident on return, so that first writes take no fault.
     /// Every backend refuses `len == 0` (a region holds at least one block header).
-    fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, String>;
+    fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, BackendError>;
 
     /// Releases a region.
     ///
@@ -90,10 +92,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
     unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize);
 
     /// Allocates one block of `len` bytes aligned to [`BLOCK_ALIGN`] (contents unspecified).
-    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
-        let layout = Layout::from_size_align(len.max(1), BLOCK_ALIGN).map_err(|e| e.to_string())?;
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
+        let layout = Layout::from_size_align(len.max(1), BLOCK_ALIGN)
+            .map_err(|_| BackendError::refused("alloc", len, "more than an address space holds"))?;
         // SAFETY: the layout has a non-zero size.
-        NonNull::new(unsafe { alloc::alloc(layout) }).ok_or_else(|| format!("the system allocator refused {len} bytes"))
+        NonNull::new(unsafe { alloc::alloc(layout) }).ok_or(BackendError::os("alloc", len, libc::ENOMEM))
     }
 
     /// Releases one block.
@@ -110,7 +113,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Allocates one zero-filled block of `len` bytes aligned to [`BLOCK_ALIGN`]; released with
     /// [`Backend::free_block`]. Backends that know when memory is already zero (a fresh mapping)
     /// override it so that such memory is not written.
-    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, String> {
+    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         let p = self.alloc_block(len)?;
         // SAFETY: `p` is a fresh block of `len` bytes, owned by the caller.
         if let Err(e) = unsafe { self.zero(p, len) } {
@@ -154,7 +157,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ///
     /// # Safety
     /// `[ptr, ptr + len)` lies in one live block or region of this backend, owned by the caller.
-    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), BackendError> {
         // SAFETY: the caller guarantees the range is ours and host-accessible for host backends.
         unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
         Ok(())
@@ -165,7 +168,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ///
     /// # Safety
     /// Both ranges lie in live blocks of this backend owned by the caller and do not overlap.
-    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), BackendError> {
         // SAFETY: as the caller guarantees.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), len) };
         Ok(())
@@ -177,7 +180,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Safety
     /// `[src, src + len)` lies in a live block of this backend owned by the caller, and `dst` is
     /// valid host memory for `len` bytes of writes, not overlapping it.
-    unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), BackendError> {
         // SAFETY: as the caller guarantees (a host-memory backend: both ranges are host memory).
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), len) };
         Ok(())
@@ -189,7 +192,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Safety
     /// `[dst, dst + len)` lies in a live block of this backend owned by the caller, and `src` is
     /// valid host memory for `len` bytes of reads, not overlapping it.
-    unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), BackendError> {
         // SAFETY: as the caller guarantees (a host-memory backend: both ranges are host memory).
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), len) };
         Ok(())
@@ -260,7 +263,7 @@ pub mod testing {
 /// The range may hold live blocks (an arena pre-faults when a cycle opens, with blocks made
 /// between cycles in use, possibly written by other threads), so the fallback never changes a
 /// byte: see [`touch_for_write`].
-fn try_prefault(ptr: NonNull<u8>, len: usize) -> Result<(), String> {
+fn try_prefault(ptr: NonNull<u8>, len: usize) -> Result<(), BackendError> {
     let rc = if POPULATE_WRITE_REFUSED.load(Ordering::Relaxed) {
         Err(std::io::Error::from_raw_os_error(libc::EINVAL))
     } else {
@@ -272,7 +275,7 @@ fn try_prefault(ptr: NonNull<u8>, len: usize) -> Result<(), String> {
     };
     let Err(err) = rc else { return Ok(()) };
     if err.raw_os_error() != Some(libc::EINVAL) {
-        return Err(format!("cannot make {len} bytes resident: {err}"));
+        return Err(BackendError::os("make resident", len, err.raw_os_error().unwrap_or(0)));
     }
     let page = page_size();
     let mut off = 0;
@@ -333,19 +336,31 @@ fn prefault(ptr: NonNull<u8>, len: usize) {
     let _ = try_prefault(ptr, len);
 }
 
-fn mmap_checked(len: usize, prot: libc::c_int, flags: libc::c_int, fd: libc::c_int) -> Result<NonNull<u8>, String> {
+/// Refuses lengths no backend maps: 0 (a region holds at least one block header) and more than
+/// an address space holds.
+fn check_map_len(len: usize) -> Result<(), BackendError> {
     if len == 0 {
-        return Err("cannot map 0 bytes".to_string());
+        return Err(BackendError::refused("map", 0, "a region holds at least one block"));
     }
     if len > isize::MAX as usize {
-        return Err(format!("cannot map {len} bytes: more than an address space holds"));
+        return Err(BackendError::refused("map", len, "more than an address space holds"));
     }
+    Ok(())
+}
+
+fn mmap_checked(
+    len: usize,
+    prot: libc::c_int,
+    flags: libc::c_int,
+    fd: libc::c_int,
+) -> Result<NonNull<u8>, BackendError> {
+    check_map_len(len)?;
     // SAFETY: a fresh mapping at an address the kernel chooses; no existing memory is affected.
     let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) };
     if p == libc::MAP_FAILED {
-        return Err(format!("mmap of {len} bytes failed: {}", std::io::Error::last_os_error()));
+        return Err(BackendError::last_os("mmap", len));
     }
-    NonNull::new(p.cast()).ok_or_else(|| "mmap returned null".to_string())
+    NonNull::new(p.cast()).ok_or(BackendError::refused("mmap", len, "the kernel returned null"))
 }
 
 /// Anonymous private memory from `mmap`, with huge-page advice for large regions.
@@ -357,7 +372,7 @@ impl Backend for AnonymousMemory {
         "anonymous"
     }
 
-    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, String> {
+    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, BackendError> {
         let ptr = mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)?;
         if len >= HUGE_PAGE_THRESHOLD {
             // SAFETY: advice on our own fresh mapping; failure (no THP support) is harmless.
@@ -402,12 +417,12 @@ impl Backend for AnonymousMemory {
     /// by it, large ones are mappings of its own whose size it learns (glibc raises its mapping
     /// threshold as they are freed), so a cycle served outside the arena costs what it costs
     /// without rustws.
-    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         c_heap_block(len, false)
     }
 
     /// `calloc` underneath: memory the C heap knows to be zero (a fresh mapping) is not written.
-    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, String> {
+    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         c_heap_block(len, true)
     }
 
@@ -428,9 +443,12 @@ const C_HEAP_TAG: usize = std::mem::size_of::<usize>();
 
 /// A [`BLOCK_ALIGN`]-aligned block of `len` bytes from `malloc` (or `calloc`), with the distance
 /// back to the allocation's start stored in the word in front of it.
-fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, String> {
-    let total =
-        len.checked_add(BLOCK_ALIGN + C_HEAP_TAG).ok_or_else(|| format!("a block of {len} bytes is too large"))?;
+fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, BackendError> {
+    let total = len.checked_add(BLOCK_ALIGN + C_HEAP_TAG).ok_or(BackendError::refused(
+        "malloc",
+        len,
+        "more than an address space holds",
+    ))?;
     // SAFETY: plain C allocation calls with a non-zero size.
     let raw = unsafe {
         if zeroed {
@@ -441,7 +459,7 @@ fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, String> {
     }
     .cast::<u8>();
     if raw.is_null() {
-        return Err(format!("the system allocator refused {len} bytes"));
+        return Err(BackendError::os(if zeroed { "calloc" } else { "malloc" }, len, libc::ENOMEM));
     }
     let start = raw as usize;
     let at = (start + C_HEAP_TAG).next_multiple_of(BLOCK_ALIGN);
@@ -647,22 +665,22 @@ fn register_fork_handlers() {
 }
 
 /// Reserves `len` bytes of `file` on its file system.
-fn reserve(file: &File, len: usize, path: &std::path::Path) -> Result<(), String> {
-    let len_off = libc::off_t::try_from(len).map_err(|_| format!("{len} bytes is too large a file"))?;
+fn reserve(file: &File, len: usize) -> Result<(), BackendError> {
+    let len_off =
+        libc::off_t::try_from(len).map_err(|_| BackendError::refused("reserve file space", len, "too large a file"))?;
     // SAFETY: a valid open descriptor; the call only sizes and allocates the file.
     let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len_off) };
     match rc {
         0 => Ok(()),
         // A file system that cannot reserve (and no emulation): a sparse file as before.
-        libc::EOPNOTSUPP | libc::EINVAL => {
-            file.set_len(len as u64).map_err(|e| format!("cannot size {} to {len} bytes: {e}", path.display()))
-        }
-        errno => Err(format!(
-            "cannot reserve {len} bytes for {}: {}",
-            path.display(),
-            std::io::Error::from_raw_os_error(errno)
-        )),
+        libc::EOPNOTSUPP | libc::EINVAL => file.set_len(len as u64).map_err(|e| io_error("size a file", len, &e)),
+        errno => Err(BackendError::os("reserve file space", len, errno)),
     }
+}
+
+/// An I/O error as a backend's refusal (`EIO` where it carries no `errno`).
+fn io_error(op: &'static str, len: usize, e: &std::io::Error) -> BackendError {
+    BackendError::os(op, len, e.raw_os_error().unwrap_or(libc::EIO))
 }
 
 impl FileMappedMemory {
@@ -672,7 +690,7 @@ impl FileMappedMemory {
     }
 
     /// A new file in `dir`, unlinked once open.
-    fn unnamed_in(dir: &std::path::Path, stem: &str) -> Result<File, String> {
+    fn unnamed_in(dir: &std::path::Path, stem: &str) -> Result<File, BackendError> {
         let name = format!("{stem}-{}-{}.mmap", std::process::id(), FILE_COUNTER.fetch_add(1, Ordering::Relaxed));
         let full = dir.join(name);
         let f = OpenOptions::new()
@@ -681,13 +699,13 @@ impl FileMappedMemory {
             .create_new(true)
             .mode(0o600)
             .open(&full)
-            .map_err(|e| format!("cannot create {}: {e}", full.display()))?;
+            .map_err(|e| io_error("create a file", 0, &e))?;
         let _ = std::fs::remove_file(&full);
         Ok(f)
     }
 
     /// The file for a new region, and the named file it created, if any.
-    fn open(&self) -> Result<(File, Option<CreatedFile>), String> {
+    fn open(&self) -> Result<(File, Option<CreatedFile>), BackendError> {
         if self.path.is_dir() {
             return Ok((Self::unnamed_in(&self.path, "rustws")?, None));
         }
@@ -695,11 +713,15 @@ impl FileMappedMemory {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        let parent = std::fs::canonicalize(&parent).map_err(|e| format!("cannot use {}: {e}", parent.display()))?;
-        let file_name = self.path.file_name().ok_or_else(|| format!("{} names no file", self.path.display()))?;
+        let parent = std::fs::canonicalize(&parent).map_err(|e| io_error("find the folder", 0, &e))?;
+        let file_name =
+            self.path.file_name().ok_or(BackendError::refused("create a file", 0, "temp_file_path names no file"))?;
         let canonical = parent.join(file_name);
         let stem = file_name.to_string_lossy().into_owned();
         let mut in_use = NAMED_FILES_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+        if in_use.try_reserve(1).is_err() {
+            return Err(BackendError::os("create a file", 0, libc::ENOMEM));
+        }
         if in_use.contains(&canonical) {
             // Another region of this process maps the named file.
             drop(in_use);
@@ -716,7 +738,7 @@ impl FileMappedMemory {
                 drop(in_use);
                 Ok((Self::unnamed_in(&parent, &stem)?, None))
             }
-            Err(e) => Err(format!("cannot create {}: {e}", canonical.display())),
+            Err(e) => Err(io_error("create a file", 0, &e)),
         }
     }
 
@@ -742,13 +764,23 @@ impl Backend for FileMappedMemory {
         "mmap-file"
     }
 
-    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, String> {
-        if len == 0 {
-            return Err("cannot map 0 bytes".to_string());
-        }
+    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, BackendError> {
+        check_map_len(len)?;
         let (file, created) = self.open()?;
-        let shown = created.as_ref().map_or_else(|| self.path.clone(), |c| c.path.clone());
-        let mapped = reserve(&file, len, &shown)
+        let mapped = reserve(&file, len)
+            .and_then(|()| {
+                // The tables below get room first: a full table refuses cleanly.
+                let room = SHARED_REGIONS.with(|t| {
+                    let want = t.regions.len() + 1;
+                    t.regions.try_reserve(1).is_ok()
+                        && t.snapshots.try_reserve(want.saturating_sub(t.snapshots.len())).is_ok()
+                }) && self.files.lock().unwrap_or_else(|e| e.into_inner()).try_reserve(1).is_ok();
+                if room {
+                    Ok(())
+                } else {
+                    Err(BackendError::os("mmap", len, libc::ENOMEM))
+                }
+            })
             .and_then(|()| mmap_checked(len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd()))
             .and_then(|ptr| {
                 if !prefault_now {
@@ -766,11 +798,8 @@ impl Backend for FileMappedMemory {
                 return Err(e);
             }
         };
-        SHARED_REGIONS.with(|t| {
-            t.regions.push((ptr.as_ptr() as usize, len));
-            let want = t.regions.len();
-            t.snapshots.reserve(want.saturating_sub(t.snapshots.len()));
-        });
+        // Room was reserved above: these pushes do not allocate.
+        SHARED_REGIONS.with(|t| t.regions.push((ptr.as_ptr() as usize, len)));
         self.files.lock().unwrap_or_else(|e| e.into_inner()).push((ptr.as_ptr() as usize, file, created));
         Ok(ptr)
     }
@@ -802,13 +831,12 @@ impl Backend for HeapMemory {
         "heap"
     }
 
-    fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
-        if len == 0 {
-            return Err("cannot map 0 bytes".to_string());
-        }
-        let layout = Layout::from_size_align(len, 4096).map_err(|e| format!("cannot map {len} bytes: {e}"))?;
+    fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, BackendError> {
+        check_map_len(len)?;
+        let layout = Layout::from_size_align(len, 4096)
+            .map_err(|_| BackendError::refused("map", len, "more than an address space holds"))?;
         // SAFETY: non-zero size.
-        NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| format!("the heap refused {len} bytes"))
+        NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or(BackendError::os("map", len, libc::ENOMEM))
     }
 
     /// # Safety
@@ -836,7 +864,7 @@ impl Backend for OpaqueMemory {
         "opaque (device stand-in)"
     }
 
-    fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, String> {
+    fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, BackendError> {
         let p = HeapMemory.map(len, prefault)?;
         // SAFETY: freshly allocated, `len` bytes.
         unsafe { p.as_ptr().write_bytes(Self::CANARY, len) };
@@ -850,7 +878,7 @@ impl Backend for OpaqueMemory {
         unsafe { HeapMemory.unmap(ptr, len) }
     }
 
-    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         let p = HeapMemory.alloc_block(len)?;
         // SAFETY: freshly allocated, `len` bytes.
         unsafe { p.as_ptr().write_bytes(Self::CANARY, len) };
@@ -879,28 +907,28 @@ macro_rules! forward_data_access {
 
         /// # Safety
         /// As for [`Backend::zero`].
-        unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
+        unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), BackendError> {
             // SAFETY: forwarded with the caller's guarantee.
             unsafe { self.upstream.zero(ptr, len) }
         }
 
         /// # Safety
         /// As for [`Backend::copy`].
-        unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), BackendError> {
             // SAFETY: forwarded with the caller's guarantee.
             unsafe { self.upstream.copy(dst, src, len) }
         }
 
         /// # Safety
         /// As for [`Backend::copy_to_host`].
-        unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), BackendError> {
             // SAFETY: forwarded with the caller's guarantee.
             unsafe { self.upstream.copy_to_host(dst, src, len) }
         }
 
         /// # Safety
         /// As for [`Backend::copy_from_host`].
-        unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+        unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), BackendError> {
             // SAFETY: forwarded with the caller's guarantee.
             unsafe { self.upstream.copy_from_host(dst, src, len) }
         }
@@ -926,13 +954,24 @@ impl LimitAdaptor {
         self.held.load(Ordering::Relaxed)
     }
 
-    fn reserve(&self, len: usize) -> Result<(), String> {
+    /// The most it holds at once.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Bytes it would still grant.
+    pub fn room(&self) -> usize {
+        self.limit.saturating_sub(self.held())
+    }
+
+    fn reserve(&self, op: &'static str, len: usize) -> Result<(), BackendError> {
         let mut cur = self.held.load(Ordering::Relaxed);
         loop {
-            let next = cur
-                .checked_add(len)
-                .filter(|n| *n <= self.limit)
-                .ok_or_else(|| format!("limit of {} bytes reached ({} held, {} requested)", self.limit, cur, len))?;
+            let next = cur.checked_add(len).filter(|n| *n <= self.limit).ok_or(BackendError {
+                op,
+                bytes: len,
+                cause: Cause::Limit { limit: self.limit, held: cur },
+            })?;
             match self.held.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => return Ok(()),
                 Err(actual) => cur = actual,
@@ -946,8 +985,8 @@ impl Backend for LimitAdaptor {
         "limit"
     }
 
-    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, String> {
-        self.reserve(len)?;
+    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, BackendError> {
+        self.reserve("map", len)?;
         self.upstream.map(len, prefault_now).inspect_err(|_| {
             self.held.fetch_sub(len, Ordering::Relaxed);
         })
@@ -961,8 +1000,8 @@ impl Backend for LimitAdaptor {
         self.held.fetch_sub(len, Ordering::Relaxed);
     }
 
-    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
-        self.reserve(len)?;
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
+        self.reserve("alloc_block", len)?;
         self.upstream.alloc_block(len).inspect_err(|_| {
             self.held.fetch_sub(len, Ordering::Relaxed);
         })
@@ -996,8 +1035,8 @@ impl Backend for LimitAdaptor {
         self.upstream.populate(ptr, len);
     }
 
-    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, String> {
-        self.reserve(len)?;
+    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
+        self.reserve("alloc_block", len)?;
         self.upstream.alloc_block_zeroed(len).inspect_err(|_| {
             self.held.fetch_sub(len, Ordering::Relaxed);
         })
@@ -1060,15 +1099,12 @@ impl FaultAdaptor {
         self.armed.store(armed, Ordering::Relaxed);
     }
 
-    fn check(&self, what: &str, len: usize) -> Result<(), String> {
+    fn check(&self, op: &'static str, len: usize) -> Result<(), BackendError> {
         let k = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
         let hit = if self.every { k % self.nth == 0 } else { k == self.nth };
         if hit && self.armed.load(Ordering::Relaxed) {
             self.injected.fetch_add(1, Ordering::Relaxed);
-            return Err(format!(
-                "{what} of {len} bytes failed (injected at call {k}): {}",
-                std::io::Error::from_raw_os_error(self.errno)
-            ));
+            return Err(BackendError::os(op, len, self.errno));
         }
         Ok(())
     }
@@ -1079,7 +1115,7 @@ impl Backend for FaultAdaptor {
         "fault-injection"
     }
 
-    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, String> {
+    fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, BackendError> {
         self.check("map", len)?;
         self.upstream.map(len, prefault_now)
     }
@@ -1091,7 +1127,7 @@ impl Backend for FaultAdaptor {
         unsafe { self.upstream.unmap(ptr, len) }
     }
 
-    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         self.check("alloc_block", len)?;
         self.upstream.alloc_block(len)
     }
@@ -1365,7 +1401,7 @@ mod tests {
         let once = FaultAdaptor::fail_nth(Arc::new(HeapMemory), 2, libc::ENOSPC);
         let a = once.map(4096, false).unwrap();
         let e = once.alloc_block(64).unwrap_err();
-        assert!(e.contains("No space left on device"), "{e}");
+        assert!(e.to_string().contains("No space left on device"), "{e}");
         let b = once.alloc_block(64).unwrap();
         assert_eq!((once.calls(), once.injected()), (3, 1));
         // SAFETY: each released once, as allocated.
@@ -1401,7 +1437,7 @@ mod tests {
         let lim = LimitAdaptor::new(Arc::new(HeapMemory), 8192);
         let a = lim.map(4096, false).unwrap();
         let b = lim.map(4096, false).unwrap();
-        assert!(lim.map(4096, false).unwrap_err().contains("limit of 8192"));
+        assert!(lim.map(4096, false).unwrap_err().to_string().contains("limit of 8192"));
         assert!(lim.alloc_block(1).is_err());
         // SAFETY: both mapped above.
         unsafe {

@@ -21,21 +21,50 @@ use std::sync::Mutex;
 use cudarc::driver::{result, sys};
 
 use crate::backend::Backend;
-use crate::error::Error;
+use crate::error::{BackendError, Cause, Error};
 
-fn unavailable(what: impl Into<String>) -> Error {
-    Error::Unavailable { what: what.into() }
+/// A driver's refusal of `op` on `bytes` bytes.
+fn driver(op: &'static str, bytes: usize, e: result::DriverError) -> BackendError {
+    // SAFETY: `cuGetErrorName` and `cuGetErrorString` return static strings of the driver
+    // library, which cudarc loads once and never unloads: they live as long as the process.
+    let forever = |c: &std::ffi::CStr| unsafe { std::mem::transmute::<&str, &'static str>(c.to_str().unwrap_or("")) };
+    let name = e.error_name().map(forever).unwrap_or_else(|_| known_name(e.0 as u32));
+    let text = e.error_string().map(forever).unwrap_or("");
+    BackendError { op, bytes, cause: Cause::Driver { code: e.0 as u32, name, text } }
+}
+
+/// The names of the results this backend meets most, for drivers that do not name them.
+fn known_name(code: u32) -> &'static str {
+    match code {
+        1 => "CUDA_ERROR_INVALID_VALUE",
+        2 => "CUDA_ERROR_OUT_OF_MEMORY",
+        3 => "CUDA_ERROR_NOT_INITIALIZED",
+        4 => "CUDA_ERROR_DEINITIALIZED",
+        100 => "CUDA_ERROR_NO_DEVICE",
+        101 => "CUDA_ERROR_INVALID_DEVICE",
+        201 => "CUDA_ERROR_INVALID_CONTEXT",
+        400 => "CUDA_ERROR_INVALID_HANDLE",
+        600 => "CUDA_ERROR_NOT_READY",
+        700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
+        719 => "CUDA_ERROR_LAUNCH_FAILED",
+        _ => "CUDA_ERROR_UNKNOWN",
+    }
+}
+
+/// A device that cannot be used, and the driver's reason.
+fn unusable(what: &'static str, op: &'static str, e: result::DriverError) -> Error {
+    Error::Unavailable { what: what.into(), cause: Some(driver(op, 0, e)) }
 }
 
 /// Devices the driver sees; `Err` says why none can be used (no driver, a failed init).
 pub fn device_count() -> Result<usize, Error> {
     // SAFETY: only tries to load the driver library; nothing is called through it.
     if !unsafe { sys::is_culib_present() } {
-        return Err(unavailable("no CUDA driver: libcuda.so.1 cannot be loaded"));
+        return Err(Error::unavailable("no CUDA driver: libcuda.so.1 cannot be loaded"));
     }
-    result::init().map_err(|e| unavailable(format!("the CUDA driver failed to initialise: {e:?}")))?;
-    let n =
-        result::device::get_count().map_err(|e| unavailable(format!("the CUDA driver cannot count devices: {e:?}")))?;
+    result::init().map_err(|e| unusable("the CUDA driver failed to initialise", "cuInit", e))?;
+    let n = result::device::get_count()
+        .map_err(|e| unusable("the CUDA driver cannot count devices", "cuDeviceGetCount", e))?;
     Ok(n.max(0) as usize)
 }
 
@@ -43,10 +72,10 @@ pub fn device_count() -> Result<usize, Error> {
 pub fn probe(ordinal: usize) -> Result<(), Error> {
     let count = device_count()?;
     if count == 0 {
-        return Err(unavailable("the CUDA driver sees no device"));
+        return Err(Error::unavailable("the CUDA driver sees no device"));
     }
     if ordinal >= count {
-        return Err(unavailable(format!("bad device ordinal {ordinal}: the driver sees {count} device(s)")));
+        return Err(Error::unavailable(format!("bad device ordinal {ordinal}: the driver sees {count} device(s)")));
     }
     Ok(())
 }
@@ -66,10 +95,10 @@ impl CudaMemory {
     pub fn new(ordinal: usize) -> Result<Self, Error> {
         probe(ordinal)?;
         let device = result::device::get(ordinal as i32)
-            .map_err(|e| unavailable(format!("cannot open CUDA device {ordinal}: {e:?}")))?;
+            .map_err(|e| unusable("cannot open the CUDA device", "cuDeviceGet", e))?;
         // SAFETY: `device` was returned by `device::get`.
         let context = unsafe { result::primary_ctx::retain(device) }
-            .map_err(|e| unavailable(format!("cannot create a context on CUDA device {ordinal}: {e:?}")))?;
+            .map_err(|e| unusable("cannot create a context on the CUDA device", "cuDevicePrimaryCtxRetain", e))?;
         Ok(CudaMemory { ordinal, device, context: context as usize, released: ReleaseQueue::default() })
     }
 
@@ -80,22 +109,20 @@ impl CudaMemory {
     /// Makes this device's context current on the calling thread until the guard drops, which
     /// restores the thread's previous context: the frameworks sharing the thread (PyTorch, CuPy)
     /// keep the device they had.
-    fn make_current(&self) -> Result<ContextGuard, String> {
-        make_current(self.context, self.ordinal)
+    fn make_current(&self) -> Result<ContextGuard, BackendError> {
+        make_current(self.context)
     }
 }
 
 /// See [`CudaMemory::make_current`]; `context` must stay retained while the guard lives.
-fn make_current(context: usize, ordinal: usize) -> Result<ContextGuard, String> {
+fn make_current(context: usize) -> Result<ContextGuard, BackendError> {
     let ours = context as sys::CUcontext;
-    let previous = result::ctx::get_current()
-        .map_err(|e| format!("cannot read the current CUDA context for device {ordinal}: {e:?}"))?;
+    let previous = result::ctx::get_current().map_err(|e| driver("cuCtxGetCurrent", 0, e))?;
     if previous == Some(ours) {
         return Ok(ContextGuard { restore: None });
     }
     // SAFETY: the caller keeps the context retained while the guard lives.
-    unsafe { result::ctx::set_current(ours) }
-        .map_err(|e| format!("cannot make the context of CUDA device {ordinal} current: {e:?}"))?;
+    unsafe { result::ctx::set_current(ours) }.map_err(|e| driver("cuCtxSetCurrent", 0, e))?;
     Ok(ContextGuard { restore: Some(previous.map_or(0, |c| c as usize)) })
 }
 
@@ -210,9 +237,9 @@ impl Backend for CudaMemory {
         "cuda"
     }
 
-    fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
+    fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, BackendError> {
         if len == 0 {
-            return Err("cannot map 0 bytes".to_string());
+            return Err(BackendError::refused("map", 0, "a region holds at least one block"));
         }
         let _ctx = self.make_current()?;
         let p = self.alloc_device(len)?;
@@ -221,7 +248,7 @@ impl Backend for CudaMemory {
         if let Err(e) = unsafe { result::memset_d8_sync(p.as_ptr() as usize as sys::CUdeviceptr, 0, len) } {
             // SAFETY: allocated above, never handed out.
             unsafe { self.unmap(p, len) };
-            return Err(format!("cannot clear {len} bytes on CUDA device {}: {e:?}", self.ordinal));
+            return Err(driver("cuMemsetD8", len, e));
         }
         Ok(p)
     }
@@ -234,7 +261,7 @@ impl Backend for CudaMemory {
         self.released.push(ptr.as_ptr() as usize);
     }
 
-    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         let _ctx = self.make_current()?;
         self.alloc_device(len.max(1))
     }
@@ -248,16 +275,16 @@ impl Backend for CudaMemory {
 
     /// # Safety
     /// As for [`Backend::zero`].
-    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), BackendError> {
         let _ctx = self.make_current()?;
         // SAFETY: the caller guarantees the range lies in one of our live allocations.
         unsafe { result::memset_d8_sync(ptr.as_ptr() as usize as sys::CUdeviceptr, 0, len) }
-            .map_err(|e| format!("cannot clear {len} bytes on CUDA device {}: {e:?}", self.ordinal))
+            .map_err(|e| driver("cuMemsetD8", len, e))
     }
 
     /// # Safety
     /// As for [`Backend::copy`].
-    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn copy(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), BackendError> {
         let _ctx = self.make_current()?;
         // SAFETY: the caller guarantees both ranges lie in our live allocations, disjoint.
         unsafe {
@@ -267,30 +294,30 @@ impl Backend for CudaMemory {
                 len,
             )
         }
-        .map_err(|e| format!("copy of {len} bytes on CUDA device {} failed: {e:?}", self.ordinal))
+        .map_err(|e| driver("cuMemcpyDtoD", len, e))
     }
 
     /// # Safety
     /// As for [`Backend::copy_to_host`].
-    unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn copy_to_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), BackendError> {
         let _ctx = self.make_current()?;
         // SAFETY: the caller guarantees `dst` is host memory valid for `len` bytes of writes and
         // `src` lies in one of our live allocations.
         let host = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr(), len) };
         // SAFETY: as above; the copy is synchronous, so `host` is not used after return.
         unsafe { result::memcpy_dtoh_sync(host, src.as_ptr() as usize as sys::CUdeviceptr) }
-            .map_err(|e| format!("copy from CUDA device {} failed: {e:?}", self.ordinal))
+            .map_err(|e| driver("cuMemcpyDtoH", len, e))
     }
 
     /// # Safety
     /// As for [`Backend::copy_from_host`].
-    unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn copy_from_host(&self, dst: NonNull<u8>, src: NonNull<u8>, len: usize) -> Result<(), BackendError> {
         let _ctx = self.make_current()?;
         // SAFETY: the caller guarantees `src` is host memory valid for `len` bytes of reads.
         let host = unsafe { std::slice::from_raw_parts(src.as_ptr(), len) };
         // SAFETY: `dst` lies in one of our live allocations; the copy is synchronous.
         unsafe { result::memcpy_htod_sync(dst.as_ptr() as usize as sys::CUdeviceptr, host) }
-            .map_err(|e| format!("copy to CUDA device {} failed: {e:?}", self.ordinal))
+            .map_err(|e| driver("cuMemcpyHtoD", len, e))
     }
 
     fn host_accessible(&self) -> bool {
@@ -309,9 +336,9 @@ pub const DEVICE_BLOCK_ALIGN: usize = 256;
 impl CudaMemory {
     /// `len` fresh bytes of device memory; the context must be current. A refusal while
     /// releases wait in the queue reclaims them and tries once more.
-    fn alloc_device(&self, len: usize) -> Result<NonNull<u8>, String> {
+    fn alloc_device(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         if len > isize::MAX as usize {
-            return Err(format!("{len} bytes is more than CUDA device {} can hold", self.ordinal));
+            return Err(BackendError::refused("cuMemAlloc", len, "more than a device holds"));
         }
         if self.has_deferred() {
             // Normally the owner reclaims outside its locks right after releasing; this only
@@ -325,23 +352,23 @@ impl CudaMemory {
             // SAFETY: as above.
             r = unsafe { result::malloc_sync(len) };
         }
-        let p = r.map_err(|e| format!("CUDA device {} out of memory for {len} bytes: {e:?}", self.ordinal))?;
-        NonNull::new(p as usize as *mut u8).ok_or_else(|| "cuMemAlloc returned null".to_string())
+        let p = r.map_err(|e| driver("cuMemAlloc", len, e))?;
+        NonNull::new(p as usize as *mut u8).ok_or(BackendError::refused("cuMemAlloc", len, "the driver returned null"))
     }
 
     /// Records an event on `stream` (a `CUstream` handle, or 1 / 2 for the legacy / per-thread
     /// default stream) after the work submitted to it so far: a block that stream used may be
     /// handed out again once [`is_complete`](Self::is_complete) says so.
-    pub fn record_release(&self, stream: usize) -> Result<StreamEvent, String> {
+    pub fn record_release(&self, stream: usize) -> Result<StreamEvent, BackendError> {
         let _ctx = self.make_current()?;
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| format!("cannot create a CUDA event: {e:?}"))?;
+            .map_err(|e| driver("cuEventCreate", 0, e))?;
         // SAFETY: `event` is live; the caller names a stream of this context (the stream a
         // consumer declared through DLPack, or the one PyTorch passed to its allocator).
         if let Err(e) = unsafe { result::event::record(event, stream as sys::CUstream) } {
             // SAFETY: created above, never recorded.
             let _ = unsafe { result::event::destroy(event) };
-            return Err(format!("cannot record a CUDA event on stream {stream:#x}: {e:?}"));
+            return Err(driver("cuEventRecord", 0, e));
         }
         Ok(StreamEvent { event: event as usize })
     }
@@ -381,13 +408,13 @@ impl CudaMemory {
     /// per-thread default stream, as DLPack and the CUDA array interface number them) after
     /// everything this backend has issued so far. Its copies and fills run on the legacy default
     /// stream, which already orders the legacy stream itself.
-    pub fn order_before(&self, stream: usize) -> Result<(), String> {
+    pub fn order_before(&self, stream: usize) -> Result<(), BackendError> {
         if stream == 1 {
             return Ok(());
         }
         let _ctx = self.make_current()?;
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| format!("cannot create a CUDA event: {e:?}"))?;
+            .map_err(|e| driver("cuEventCreate", 0, e))?;
         // SAFETY: `event` is live until destroyed below; the legacy stream always exists, and the
         // caller names a stream of this context (the DLPack / CAI contract of the consumer).
         let r = unsafe {
@@ -401,7 +428,7 @@ impl CudaMemory {
         };
         // SAFETY: created above; destroying a recorded event defers its release to completion.
         let _ = unsafe { result::event::destroy(event) };
-        r.map_err(|e| format!("cannot order CUDA stream {stream:#x} after the workspace's work: {e:?}"))
+        r.map_err(|e| driver("cuStreamWaitEvent", 0, e))
     }
 
     /// Whether work on `stream` (a valid `CUstream` handle, or 1 / 2 for the legacy / per-thread
@@ -409,7 +436,7 @@ impl CudaMemory {
     /// streams made without `CU_STREAM_NON_BLOCKING`. An event recorded on the legacy stream then
     /// completes only after the work submitted to that stream before it, so a release can wait
     /// for the stream without keeping its handle (which its owner may destroy meanwhile).
-    pub fn synchronizes_with_legacy(&self, stream: usize) -> Result<bool, String> {
+    pub fn synchronizes_with_legacy(&self, stream: usize) -> Result<bool, BackendError> {
         if stream == 1 || stream == 2 {
             return Ok(true);
         }
@@ -419,21 +446,21 @@ impl CudaMemory {
         // declared it is inside the call); `flags` is a valid output.
         let rc = unsafe { sys::cuStreamGetFlags(stream as sys::CUstream, &mut flags) };
         if rc != sys::CUresult::CUDA_SUCCESS {
-            return Err(format!("cannot read the flags of CUDA stream {stream:#x}: {rc:?}"));
+            return Err(driver("cuStreamGetFlags", 0, result::DriverError(rc)));
         }
         Ok(flags & sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as std::ffi::c_uint == 0)
     }
 
     /// Waits until all work submitted to this device's context, on every stream, has finished.
-    pub fn synchronize(&self) -> Result<(), String> {
+    pub fn synchronize(&self) -> Result<(), BackendError> {
         let _ctx = self.make_current()?;
-        result::ctx::synchronize().map_err(|e| format!("cannot synchronise CUDA device {}: {e:?}", self.ordinal))
+        result::ctx::synchronize().map_err(|e| driver("cuCtxSynchronize", 0, e))
     }
 
     /// Free and total bytes of the device.
-    pub fn memory_info(&self) -> Result<(usize, usize), String> {
+    pub fn memory_info(&self) -> Result<(usize, usize), BackendError> {
         let _ctx = self.make_current()?;
-        result::mem_get_info().map_err(|e| format!("{e:?}"))
+        result::mem_get_info().map_err(|e| driver("cuMemGetInfo", 0, e))
     }
 }
 
@@ -452,9 +479,9 @@ impl PinnedHostMemory {
         Ok(PinnedHostMemory { device: CudaMemory::new(ordinal)?, released: ReleaseQueue::default() })
     }
 
-    fn alloc_pinned(&self, len: usize) -> Result<*mut std::ffi::c_void, String> {
+    fn alloc_pinned(&self, len: usize) -> Result<*mut std::ffi::c_void, BackendError> {
         if len > isize::MAX as usize {
-            return Err(format!("{len} bytes is more host memory than can be pinned"));
+            return Err(BackendError::refused("cuMemHostAlloc", len, "more than can be pinned"));
         }
         // SAFETY: a fresh allocation of `len` bytes, with this device's context current.
         let mut r = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) };
@@ -463,7 +490,7 @@ impl PinnedHostMemory {
             // SAFETY: as above.
             r = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) };
         }
-        r.map_err(|e| format!("cannot pin {len} bytes of host memory: {e:?}"))
+        r.map_err(|e| driver("cuMemHostAlloc", len, e))
     }
 }
 
@@ -506,13 +533,17 @@ impl Backend for PinnedHostMemory {
         "cuda-pinned-host"
     }
 
-    fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, String> {
+    fn map(&self, len: usize, _prefault: bool) -> Result<NonNull<u8>, BackendError> {
         if len == 0 {
-            return Err("cannot map 0 bytes".to_string());
+            return Err(BackendError::refused("map", 0, "a region holds at least one block"));
         }
         let _ctx = self.device.make_current()?;
         let p = self.alloc_pinned(len)?;
-        let p = NonNull::new(p.cast::<u8>()).ok_or_else(|| "cuMemHostAlloc returned null".to_string())?;
+        let p = NonNull::new(p.cast::<u8>()).ok_or(BackendError::refused(
+            "cuMemHostAlloc",
+            len,
+            "the driver returned null",
+        ))?;
         // Regions are zero-filled by contract (and pinned pages are resident: this is no fault).
         // SAFETY: `p` is `len` bytes of host memory we own.
         unsafe { p.as_ptr().write_bytes(0, len) };
@@ -527,7 +558,7 @@ impl Backend for PinnedHostMemory {
         self.released.push(ptr.as_ptr() as usize);
     }
 
-    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         self.map(len.max(1), false)
     }
 
@@ -548,7 +579,8 @@ mod tests {
     #[test]
     fn a_missing_driver_or_device_is_an_error_naming_it_never_a_panic() {
         match CudaMemory::new(0) {
-            Err(Error::Unavailable { what }) => {
+            Err(e @ Error::Unavailable { .. }) => {
+                let what = e.to_string();
                 assert!(what.contains("driver") || what.contains("device"), "{what}");
             }
             Err(other) => panic!("unexpected error {other:?}"),

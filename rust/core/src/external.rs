@@ -2,105 +2,178 @@
 //! `helper_min_size`, the bypass modes), each a block from the backend's block allocator with a
 //! header, and the cache that recycles them by size class.
 //!
-//! A freed external block goes on the LIFO list of its class, as a caching allocator keeps
-//! them, instead of going back to the C heap (and, for large blocks, to the system) between
-//! uses: the next request of its class takes it, warm, with no system call and no page fault.
-//! What the cache may hold is bounded by the workspace ([`BlockCache::shrink_to`]); classes
-//! unused for a few cycles go back to the system.
+//! Every block of its own, live or cached, huge mappings included, is listed in one table by the
+//! address of its data. The table is the one truth of whether an address outside the arena is
+//! the workspace's: a free looks there before it reads a header, so a pointer that is no block of
+//! ours (a double free after the block went back, another allocator's) is never read.
+//!
+//! A freed external block goes on the LIFO list of its class, as a caching allocator keeps them,
+//! instead of going back to the C heap (and, for large blocks, to the system) between uses: the
+//! next request of its class takes it, warm, with no system call and no page fault. What the
+//! cache may hold is bounded by the recent cycles' external footprint ([`ExternalPeaks`]);
+//! classes unused for a few cycles go back to the system.
 //!
 //! Where the CPU can touch the memory a header sits in front of its block; otherwise (device
 //! memory) the block starts at its data, keeping the driver's alignment, and its header lives on
-//! the host, in a table by data address.
+//! the host, owned by the table.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::arena::{write_live_header, BlockHeader, BlockKind, HEADER, MAGIC_FREE};
 use crate::backend::Backend;
 use crate::classes::{floor_class, ClassSet, CLASSES};
+use crate::error::BackendError;
+use crate::fallible::try_box;
+use crate::learner::NEED_WINDOW;
+use crate::sanitizer::{poison, unpoison};
 
 /// A class unused for this many cycles gives its cached blocks back.
 const CACHE_CYCLES: u64 = 2;
 
+/// Hashes block addresses (multiples of 64) by multiplication: cheap, and spreads consecutive
+/// blocks over the table.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct AddressHasher(u64);
+
+impl Hasher for AddressHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        let h = ((n as u64) >> 6).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+}
+
+/// Blocks of their own by the address of their data.
+type Table = HashMap<usize, NonNull<BlockHeader>, BuildHasherDefault<AddressHasher>>;
+
 /// The blocks of their own of one workspace.
 #[derive(Debug)]
 pub(crate) struct OwnBlocks {
+    /// Where external blocks come from (through the workspace's limit).
     backend: Arc<dyn Backend>,
+    /// Where bypass blocks come from: outside the workspace's accounts and limit.
+    upstream: Arc<dyn Backend>,
     /// Whether headers sit in front of their blocks (the CPU can touch the backend's memory).
     inline: bool,
     /// The token of the workspace the blocks belong to.
     owner: u64,
-    /// Headers of blocks whose header cannot sit in front of them, by data address; each
-    /// pointer owns its allocation.
-    outside: HashMap<usize, NonNull<BlockHeader>>,
-    /// The first of the live blocks whose headers sit in front of them (its data; null: none),
-    /// huge ones included, linked through their headers' `links`.
-    first: *mut u8,
+    table: Table,
     cache: BlockCache,
+    pub peaks: ExternalPeaks,
 }
 
-/// Freed external blocks by class: LIFO lists linked through their headers (`requested` holds
-/// the next block's data address, 0 ending the list).
+/// Freed external blocks by class: LIFO lists linked through their headers' `links[1]`.
 #[derive(Debug)]
 struct BlockCache {
-    /// The first cached block of each class (its data; null: none), the others linked through
-    /// their headers' `links[1]`.
-    heads: Box<[*mut u8; CLASSES]>,
+    /// The first cached block of each class (its data; null: none).
+    heads: [*mut u8; CLASSES],
     nonempty: ClassSet,
     /// The generation each class was last used in.
-    used: Box<[u64; CLASSES]>,
+    used: [u64; CLASSES],
     /// Slot bytes of the cached blocks.
     bytes: usize,
 }
 
+/// What recent cycles had live outside the arena: the external cache holds at most that and half
+/// as much again (for blocks of other classes cached meanwhile), together with what lives.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct ExternalPeaks {
+    /// Peak slot bytes of live external blocks in the open cycle.
+    pub open: usize,
+    /// The peaks of the recent cycles, by generation modulo the window.
+    window: [usize; NEED_WINDOW],
+    /// Bytes of external blocks made fresh in the open cycle (for returning the block
+    /// allocator's cache once an arena takes over).
+    pub made: usize,
+}
+
+impl ExternalPeaks {
+    /// A cycle opens with `live` slot bytes outside the arena.
+    pub fn open_cycle(&mut self, live: usize) {
+        self.open = live;
+    }
+
+    /// `live` slot bytes are outside the arena now.
+    #[inline]
+    pub fn note(&mut self, live: usize) {
+        self.open = self.open.max(live);
+    }
+
+    /// The open cycle, `generation`, ends.
+    pub fn close_cycle(&mut self, generation: u64) {
+        self.window[(generation % NEED_WINDOW as u64) as usize] = self.open;
+        self.made = 0;
+    }
+
+    /// What the cache may hold with `live` slot bytes live outside the arena.
+    pub fn cache_budget(&self, live: usize) -> usize {
+        let peak = self.window.iter().copied().max().unwrap_or(0).max(self.open).max(live);
+        (peak + peak / 2) - live
+    }
+}
+
+// SAFETY: the table's headers and the cache's links are owned by this structure and reached only
+// through `&mut self` (or `&self` for reads); moving it moves that ownership.
+unsafe impl Send for OwnBlocks {}
+
 impl Drop for OwnBlocks {
     fn drop(&mut self) {
         self.shrink_to(0);
-        for (_, h) in self.outside.drain() {
-            // SAFETY: each pointer owns a header allocated in `new_block`; reclaimed once, here.
-            unsafe { free_header(h) };
+        if !self.inline {
+            for (_, h) in self.table.drain() {
+                // SAFETY: each header is owned by the table (device blocks); reclaimed once.
+                unsafe { drop(Box::from_raw(h.as_ptr())) };
+            }
         }
     }
 }
 
-/// A header on the host for a block whose memory the CPU cannot touch; None when the host has
-/// no memory for it (never an abort).
-fn alloc_header(h: BlockHeader) -> Option<NonNull<BlockHeader>> {
-    let layout = std::alloc::Layout::new::<BlockHeader>();
-    // SAFETY: the layout has a non-zero size.
-    let p = NonNull::new(unsafe { std::alloc::alloc(layout) }.cast::<BlockHeader>())?;
-    // SAFETY: fresh, aligned and large enough for one header.
-    unsafe { p.as_ptr().write(h) };
-    Some(p)
-}
-
-/// # Safety
-/// `h` came from `alloc_header` and is released once.
-unsafe fn free_header(h: NonNull<BlockHeader>) {
-    // SAFETY: the caller's guarantee; the layout is the one it was allocated with.
-    unsafe { std::alloc::dealloc(h.as_ptr().cast(), std::alloc::Layout::new::<BlockHeader>()) };
-}
-
 impl OwnBlocks {
-    pub fn new(backend: Arc<dyn Backend>, owner: u64) -> Self {
+    pub fn new(backend: Arc<dyn Backend>, upstream: Arc<dyn Backend>, owner: u64) -> Self {
         OwnBlocks {
             inline: backend.host_accessible(),
             owner,
             backend,
-            outside: HashMap::new(),
-            first: std::ptr::null_mut(),
+            upstream,
+            table: Table::default(),
             cache: BlockCache {
-                heads: Box::new([std::ptr::null_mut(); CLASSES]),
+                heads: [std::ptr::null_mut(); CLASSES],
                 nonempty: ClassSet::default(),
-                used: Box::new([0; CLASSES]),
+                used: [0; CLASSES],
                 bytes: 0,
             },
+            peaks: ExternalPeaks::default(),
         }
     }
 
-    /// A fresh block from the backend for a request of `size` bytes occupying `slot` bytes
-    /// (header included), its header written live.
+    /// The source of blocks of `kind`.
+    fn source(&self, kind: BlockKind) -> &dyn Backend {
+        if kind == BlockKind::Bypass {
+            &*self.upstream
+        } else {
+            &*self.backend
+        }
+    }
+
+    /// Room in the table for one more block: a full table refuses before memory is taken.
+    pub fn reserve(&mut self, bytes: usize) -> Result<(), BackendError> {
+        self.table.try_reserve(1).map_err(|_| BackendError::os("list a block", bytes, libc::ENOMEM))
+    }
+
+    /// A fresh block of `kind` for a request of `size` bytes occupying `slot` bytes (header
+    /// included), its header written live.
     pub fn new_block(
         &mut self,
         kind: BlockKind,
@@ -108,137 +181,86 @@ impl OwnBlocks {
         slot: usize,
         zeroed: bool,
         generation: u64,
-    ) -> Result<NonNull<u8>, String> {
+    ) -> Result<NonNull<u8>, BackendError> {
+        self.reserve(slot)?;
         let header = BlockHeader::live(kind, self.owner, 0, slot, size, generation);
         if !self.inline {
-            // The table has room before the driver is asked: a full table refuses cleanly.
-            self.outside.try_reserve(1).map_err(|_| "no host memory for a block header".to_string())?;
-            let h = alloc_header(header).ok_or_else(|| "no host memory for a block header".to_string())?;
+            let h = try_box(header).ok_or(BackendError::os("list a block", slot, libc::ENOMEM))?;
             let take = slot - HEADER;
-            let at = if zeroed { self.backend.alloc_block_zeroed(take) } else { self.backend.alloc_block(take) };
+            let src = self.source(kind);
+            let at = if zeroed { src.alloc_block_zeroed(take) } else { src.alloc_block(take) };
             return match at {
                 Ok(at) => {
-                    self.outside.insert(at.as_ptr() as usize, h);
+                    // Room was reserved above: this insert does not allocate.
+                    self.table.insert(at.as_ptr() as usize, NonNull::from(Box::leak(h)));
                     Ok(at)
                 }
-                Err(e) => {
-                    // SAFETY: allocated just above, never shared.
-                    unsafe { free_header(h) };
-                    Err(e)
-                }
+                Err(e) => Err(e),
             };
         }
-        let at = if zeroed { self.backend.alloc_block_zeroed(slot) } else { self.backend.alloc_block(slot) }?;
+        let src = self.source(kind);
+        let at = if zeroed { src.alloc_block_zeroed(slot) } else { src.alloc_block(slot) }?;
         // SAFETY: `at` is a fresh 64-aligned block of `slot >= HEADER` bytes owned by us.
         let p = unsafe { write_live_header(at, kind, self.owner, 0, slot, size, generation) };
-        // SAFETY: a block whose header sits in front of it, just made.
-        unsafe { self.link(p) };
+        // SAFETY: its header sits in front of it, readable until it leaves the table.
+        unsafe { self.register(p) };
         Ok(p)
     }
 
-    /// Puts `p` on the list of blocks whose headers sit in front of them.
+    /// Lists a block whose header sits in front of it (an external block, a huge mapping).
     ///
     /// # Safety
-    /// `p` is a block of this workspace whose header sits in front of it, not on the list, and
-    /// stays readable until [`OwnBlocks::unlink`] takes it off.
-    pub unsafe fn link(&mut self, p: NonNull<u8>) {
-        let first = self.first;
-        // SAFETY: the caller's guarantee; the first block's header is ours to write.
-        unsafe {
-            (*p.sub(HEADER).cast::<BlockHeader>().as_ptr()).links = [std::ptr::null_mut(), first];
-            if let Some(f) = NonNull::new(first) {
-                (*f.sub(HEADER).cast::<BlockHeader>().as_ptr()).links[0] = p.as_ptr();
-            }
-        }
-        self.first = p.as_ptr();
+    /// `p` is a block of this workspace whose header sits in front of it, readable until
+    /// [`OwnBlocks::unregister`] takes it off; the table has room ([`OwnBlocks::reserve`]).
+    pub unsafe fn register(&mut self, p: NonNull<u8>) {
+        debug_assert!(self.table.len() < self.table.capacity());
+        // SAFETY: the caller's guarantee.
+        self.table.insert(p.as_ptr() as usize, unsafe { p.sub(HEADER).cast() });
     }
 
-    /// Takes `p` off the list of blocks whose headers sit in front of them.
-    ///
-    /// # Safety
-    /// `p` is on the list.
-    pub unsafe fn unlink(&mut self, p: NonNull<u8>) {
-        // SAFETY: blocks on the list are readable and ours (the caller's guarantee for `p`).
-        unsafe {
-            let [prev, next] = (*p.sub(HEADER).cast::<BlockHeader>().as_ptr()).links;
-            match NonNull::new(prev) {
-                Some(q) => (*q.sub(HEADER).cast::<BlockHeader>().as_ptr()).links[1] = next,
-                None => self.first = next,
-            }
-            if let Some(q) = NonNull::new(next) {
-                (*q.sub(HEADER).cast::<BlockHeader>().as_ptr()).links[0] = prev;
-            }
-        }
+    /// Takes a block whose header sits in front of it off the table.
+    pub fn unregister(&mut self, p: NonNull<u8>) {
+        self.table.remove(&(p.as_ptr() as usize));
+    }
+
+    /// The header of `p` if it is a block of this table (live or cached).
+    #[inline]
+    pub fn header_of(&self, p: NonNull<u8>) -> Option<NonNull<BlockHeader>> {
+        self.table.get(&(p.as_ptr() as usize)).copied()
     }
 
     /// Whether `addr` lies in the data of a live block of this workspace outside its arena
     /// (external and huge blocks; not bypass blocks, which are not workspace memory). O(blocks):
     /// for diagnostics.
     pub fn holds(&self, addr: usize) -> bool {
-        let inside = |at: usize, h: &BlockHeader, len: usize| {
-            h.is_live() && h.kind != BlockKind::Bypass && at <= addr && addr - at < len
-        };
-        if !self.inline {
-            return self.outside.iter().any(|(&at, h)| {
-                // SAFETY: the table owns each header, alive while it is in the table.
-                let h = unsafe { h.as_ref() };
-                inside(at, h, h.slot - HEADER)
-            });
-        }
-        let mut p = self.first;
-        while let Some(q) = NonNull::new(p) {
-            // SAFETY: blocks on the list are readable and ours.
-            let h = unsafe { &*q.sub(HEADER).cast::<BlockHeader>().as_ptr() };
-            if inside(q.as_ptr() as usize, h, h.slot - HEADER) {
-                return true;
-            }
-            p = h.links[1];
-        }
-        false
+        self.table.iter().any(|(&at, h)| {
+            // SAFETY: the table's headers are readable while listed.
+            let h = unsafe { h.as_ref() };
+            h.is_live() && h.kind != BlockKind::Bypass && at <= addr && addr - at < h.slot - HEADER
+        })
     }
 
-    /// The header of a block of its own.
+    /// Gives a block back to its source.
     ///
     /// # Safety
-    /// `p` is a live (or cached) block of this table.
-    #[inline]
-    pub unsafe fn header(&self, p: NonNull<u8>) -> NonNull<BlockHeader> {
+    /// `p` is a block of this table of `slot` bytes and of `kind` that nothing uses any more,
+    /// released once.
+    pub unsafe fn release(&mut self, p: NonNull<u8>, slot: usize, kind: BlockKind) {
+        let h = self.table.remove(&(p.as_ptr() as usize)).expect("a block of this table");
         if self.inline {
-            // SAFETY: the caller guarantees a block of ours, whose header precedes it.
-            return unsafe { p.sub(HEADER).cast() };
-        }
-        *self.outside.get(&(p.as_ptr() as usize)).expect("a block of this workspace")
-    }
-
-    /// The header of `p` if it is a block of this table whose header lives on the host.
-    pub fn find_header(&self, p: NonNull<u8>) -> Option<NonNull<BlockHeader>> {
-        self.outside.get(&(p.as_ptr() as usize)).copied()
-    }
-
-    /// Gives a block back to the backend.
-    ///
-    /// # Safety
-    /// `p` is a block of this table of `slot` bytes that nothing uses any more, released once.
-    pub unsafe fn release(&mut self, p: NonNull<u8>, slot: usize) {
-        if self.inline {
-            // SAFETY: the block is on the list since `new_block`; its header is ours and is
-            // released with the block just below.
-            unsafe {
-                self.unlink(p);
-                (*p.sub(HEADER).cast::<BlockHeader>().as_ptr()).magic = 0;
-            }
-            // SAFETY: the block was allocated by `new_block` with `slot` bytes, its data `HEADER`
-            // bytes in; the caller gives it up.
-            unsafe { self.backend.free_block(p.sub(HEADER), slot) };
+            // SAFETY: the header in front of the block is ours; it goes back with the block.
+            unsafe { (*h.as_ptr()).magic = 0 };
+            unpoison(p.as_ptr(), slot - HEADER);
+            // SAFETY: the block was allocated by `new_block` from this source with `slot`
+            // bytes, its data `HEADER` bytes in; the caller gives it up.
+            unsafe { self.source(kind).free_block(p.sub(HEADER), slot) };
             return;
         }
-        if let Some(h) = self.outside.remove(&(p.as_ptr() as usize)) {
-            // SAFETY: the table owned it; removed above, so released once.
-            unsafe { free_header(h) };
-        }
+        // SAFETY: the table owned the header; removed above, so released once.
+        unsafe { drop(Box::from_raw(h.as_ptr())) };
         // SAFETY: the block was allocated by `new_block` with `slot - HEADER` bytes starting at
         // its data; the caller gives it up.
-        unsafe { self.backend.free_block(p, slot - HEADER) };
+        unsafe { self.source(kind).free_block(p, slot - HEADER) };
     }
 
     /// A cached block that serves class `class` (its header says free; the caller rewrites it
@@ -249,16 +271,20 @@ impl OwnBlocks {
             return None;
         }
         self.cache.used[class] = generation;
-        Some(self.pop(class))
+        let (p, slot) = self.pop(class);
+        if self.inline {
+            unpoison(p.as_ptr(), slot - HEADER);
+        }
+        Some((p, slot))
     }
 
-    /// Takes the first block off the (non-empty) list of `class`; a block whose header sits in
-    /// front of it goes back on the list of blocks of their own.
+    /// Takes the first block off the (non-empty) list of `class`.
     fn pop(&mut self, class: usize) -> (NonNull<u8>, usize) {
         let p = NonNull::new(self.cache.heads[class]).expect("a listed block");
+        let h = self.header_of(p).expect("a cached block is listed");
         let (next, slot) = {
             // SAFETY: a cached block of ours; the borrow ends in this block.
-            let h = unsafe { &mut *self.header(p).as_ptr() };
+            let h = unsafe { &mut *h.as_ptr() };
             let next = std::mem::replace(&mut h.links, [std::ptr::null_mut(); 2])[1];
             (next, h.slot)
         };
@@ -267,29 +293,24 @@ impl OwnBlocks {
             self.cache.nonempty.remove(class);
         }
         self.cache.bytes -= slot;
-        if self.inline {
-            // SAFETY: on neither list since `put_cached`; readable until released.
-            unsafe { self.link(p) };
-        }
         (p, slot)
     }
 
-    /// Keeps a freed external block of `slot` bytes for reuse: off the list of blocks of their
-    /// own (nothing lives in it), onto the cache's list of its class.
+    /// Keeps a freed external block of `slot` bytes for reuse, on the cache's list of its class.
     ///
     /// # Safety
     /// `p` is a block of this table that nothing uses any more, put once.
     pub unsafe fn put_cached(&mut self, p: NonNull<u8>, slot: usize, generation: u64) {
         let class = floor_class(slot - HEADER).expect("blocks hold at least 64 bytes");
         let next = if self.cache.nonempty.contains(class) { self.cache.heads[class] } else { std::ptr::null_mut() };
-        if self.inline {
-            // SAFETY: a live block of ours whose header sits in front of it: on the list.
-            unsafe { self.unlink(p) };
-        }
+        let h = self.header_of(p).expect("a block of this table");
         // SAFETY: a block of ours; its header is ours to write.
-        let h = unsafe { &mut *self.header(p).as_ptr() };
+        let h = unsafe { &mut *h.as_ptr() };
         h.magic = MAGIC_FREE;
         h.links = [std::ptr::null_mut(), next];
+        if self.inline {
+            poison(p.as_ptr(), slot - HEADER);
+        }
         self.cache.heads[class] = p.as_ptr();
         self.cache.nonempty.insert(class);
         self.cache.used[class] = generation;
@@ -327,7 +348,8 @@ impl OwnBlocks {
 
     fn release_one(&mut self, class: usize) {
         let (p, slot) = self.pop(class);
-        // SAFETY: taken off the cache just above: nothing else refers to it.
-        unsafe { self.release(p, slot) };
+        // SAFETY: taken off the cache just above: nothing else refers to it; cached blocks are
+        // external ones.
+        unsafe { self.release(p, slot, BlockKind::External) };
     }
 }

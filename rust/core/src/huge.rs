@@ -5,7 +5,9 @@
 
 use std::ptr::NonNull;
 
+use crate::arena::HEADER;
 use crate::backend::Backend;
+use crate::sanitizer::{poison, unpoison};
 
 /// Requests at least this large, and at least half the learned need, are huge.
 pub const HUGE_BLOCK_MIN: usize = 64 << 20;
@@ -40,6 +42,7 @@ impl HugeCache {
         let fits = |m: &CachedMapping| m.len >= len && m.len - len <= len / 4;
         let i = (0..self.cached.len()).filter(|&i| fits(&self.cached[i])).min_by_key(|&i| self.cached[i].len)?;
         let m = self.cached.swap_remove(i);
+        unpoison(m.at.as_ptr(), m.len);
         Some((m.at, m.len))
     }
 
@@ -51,11 +54,14 @@ impl HugeCache {
         if self.cached.len() >= CACHED_MAPPINGS {
             let oldest = (0..self.cached.len()).min_by_key(|&i| self.cached[i].used).expect("not empty");
             let m = self.cached.swap_remove(oldest);
+            unpoison(m.at.as_ptr(), m.len);
             // SAFETY: a cached mapping is owned by the cache alone.
             unsafe { backend.unmap(m.at, m.len) };
         }
         // Pushing into reserved room never allocates: the cache never holds more than its limit.
         if self.cached.try_reserve(1).is_ok() {
+            // The header stays readable (frees look at it); the data is no one's.
+            poison(at.as_ptr().wrapping_add(HEADER), len - HEADER);
             self.cached.push(CachedMapping { at, len, used: generation });
         } else {
             // SAFETY: the caller gives the mapping up.
@@ -78,6 +84,7 @@ impl HugeCache {
         while i < self.cached.len() {
             if which(&self.cached[i]) {
                 let m = self.cached.swap_remove(i);
+                unpoison(m.at.as_ptr(), m.len);
                 // SAFETY: a cached mapping is owned by the cache alone; released once, here.
                 unsafe { backend.unmap(m.at, m.len) };
             } else {

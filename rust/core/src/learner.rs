@@ -149,8 +149,12 @@ impl CycleLearner {
         Sizing::Keep
     }
 
-    pub fn is_adaptive(&self, c: &WorkspaceConfiguration) -> bool {
-        c.policy_learning == LearningPolicy::Adaptive
+    /// A sizing could not be applied (the limit or the system refused the region): the next
+    /// cycle end sizes again, from what it learned by then. The adaptive profile does so anyway.
+    pub fn retry_later(&mut self, c: &WorkspaceConfiguration) {
+        if c.policy_learning != LearningPolicy::Adaptive {
+            self.initialized = false;
+        }
     }
 
     /// Sizes the arena now from what was learned (or from the initial and minimum sizes).

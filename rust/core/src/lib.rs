@@ -7,11 +7,14 @@
 //! a memory-mapped file, the heap, or an adaptor over one of them). This crate knows nothing of
 //! Python; the bindings live in a separate crate.
 //!
-//! Where each concern lives: `workspace` (cycles and the allocation ladder), `arena` (a region,
-//! its free lists by class and its walk), `classes` (size classes), `learner` (how large the arena
-//! is, under the learning and spill policies), `external` (blocks outside the arena and their
-//! cache), `huge` (huge requests' own mappings), `accounts` (counters and statistics), `config`
-//! (the policies), `backend` and `cuda` (memory sources), `error`.
+//! Where each concern lives: `workspace` (cycles, the allocation ladder and the limit), `regions`
+//! (the current region and retired ones), `arena` (a region, its free lists by class and its
+//! walk), `classes` (size classes), `learner` (how large the arena is, under the learning and
+//! spill policies), `external` (blocks outside the arena, their table and cache), `huge` (huge
+//! requests' own mappings), `accounts` (counters and statistics), `config` (the policies),
+//! `backend` and `cuda` (memory sources and adaptors), `error`, `fallible` (allocation that
+//! refuses instead of aborting), `reserve` (a global allocator with an emergency reserve),
+//! `sanitizer` (AddressSanitizer's poisoning).
 
 mod accounts;
 pub mod arena;
@@ -22,8 +25,12 @@ pub mod config;
 pub mod cuda;
 pub mod error;
 mod external;
+mod fallible;
 mod huge;
 mod learner;
+mod regions;
+pub mod reserve;
+mod sanitizer;
 pub mod workspace;
 
 pub use accounts::{CycleReport, WorkspaceStats};
@@ -33,7 +40,7 @@ pub use config::{
     parse_size, AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
     WorkspaceConfiguration,
 };
-pub use error::Error;
+pub use error::{BackendError, Cause, Error, Refusal};
 pub use huge::HUGE_BLOCK_MIN;
 pub use learner::NEED_WINDOW;
 pub use workspace::{BlockInfo, Workspace, PREFAULT_LIMIT};

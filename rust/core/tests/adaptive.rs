@@ -40,7 +40,7 @@ impl Backend for Recorder {
     fn name(&self) -> &'static str {
         "recorder"
     }
-    fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, String> {
+    fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, BackendError> {
         if prefault {
             self.populated.fetch_add(len, Ordering::Relaxed);
         }
@@ -50,11 +50,11 @@ impl Backend for Recorder {
         // SAFETY: forwarded with the caller's guarantee.
         unsafe { self.upstream.unmap(ptr, len) }
     }
-    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, String> {
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         self.blocks.fetch_add(1, Ordering::Relaxed);
         self.upstream.alloc_block(len)
     }
-    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, String> {
+    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         self.blocks.fetch_add(1, Ordering::Relaxed);
         self.upstream.alloc_block_zeroed(len)
     }
@@ -65,7 +65,7 @@ impl Backend for Recorder {
     fn host_accessible(&self) -> bool {
         self.upstream.host_accessible()
     }
-    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), BackendError> {
         self.zeroed.fetch_add(len, Ordering::Relaxed);
         // SAFETY: forwarded with the caller's guarantee.
         unsafe { self.upstream.zero(ptr, len) }

@@ -166,7 +166,7 @@ fn spill_fail_refuses_with_the_limit_in_the_message() {
         w.enter().unwrap();
         let a = w.alloc(900_000).unwrap();
         let err = w.alloc(900_000).unwrap_err();
-        assert!(matches!(err, Error::OutOfMemory { requested: 900_000, .. }), "{name}: {err:?}");
+        assert!(matches!(err, Error::OutOfMemory(Refusal { requested: 900_000, .. })), "{name}: {err:?}");
         let msg = err.to_string();
         assert!(msg.contains("\"T\"") && msg.contains("900000") && msg.contains("FAIL"), "{msg}");
         assert_eq!(w.stats().failed_allocations, 1);
@@ -344,7 +344,7 @@ fn max_size_bounds_the_footprint_under_every_spill_policy() {
             w.enter().unwrap();
             let a = w.alloc(1 << 20).unwrap();
             let err = w.alloc(3 << 20).unwrap_err();
-            assert!(matches!(err, Error::OutOfMemory { limit, .. } if limit == 2 << 20), "{name}: {err:?}");
+            assert!(matches!(err, Error::OutOfMemory(Refusal { limit, .. }) if limit == 2 << 20), "{name}: {err:?}");
             // SAFETY: live, freed once.
             unsafe { w.free(a) };
             w.exit().unwrap();

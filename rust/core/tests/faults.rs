@@ -35,10 +35,11 @@ fn config() -> impl Strategy<Value = WorkspaceConfiguration> {
 }
 
 fn system_said(e: &Error, errno: i32) {
-    if let Error::SystemOutOfMemory { detail, .. } = e {
+    if let Error::SystemOutOfMemory { cause, .. } = e {
+        assert_eq!(cause.cause, Cause::Os(errno), "{e} does not carry the system's errno {errno}");
         let said = std::io::Error::from_raw_os_error(errno).to_string();
         let said = said.split(" (os error").next().unwrap_or_default();
-        assert!(detail.contains(said), "{detail:?} does not say {said:?}");
+        assert!(e.to_string().contains(said), "{e} does not say {said:?}");
     }
 }
 
@@ -63,7 +64,7 @@ fn run(config: WorkspaceConfiguration, source: u8, every: u64, errno: i32, ops: 
     // but the model does not predict which blocks spilled.
     program.exact = false;
     let mut refused = |e: &Error| {
-        assert!(matches!(e, Error::OutOfMemory { .. } | Error::SystemOutOfMemory { .. }), "unexpected {e}");
+        assert!(matches!(e, Error::OutOfMemory(_) | Error::SystemOutOfMemory { .. }), "unexpected {e}");
         system_said(e, errno);
     };
     for (step, op) in ops.into_iter().enumerate() {

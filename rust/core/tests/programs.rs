@@ -1,9 +1,9 @@
 //! Allocator programs as property tests (the shared model of `common::program`): random
 //! sequences of allocations, zeroed ones, frees (some from another thread), reallocations across
 //! classes, cycle ends with and without escapes, nested and overlapping cycles and destroy, under
-//! random policies and backend limits. After every step, live blocks must not overlap, must be
-//! aligned, must lie inside their region (arena blocks), must keep their contents, and the
-//! statistics must match the model.
+//! random policies, `max_size` and backend limits. After every step, live blocks must not overlap,
+//! must be aligned, must lie inside their region (arena blocks), must keep their contents, the
+//! statistics must match the model, and the footprint must be within `max_size`.
 
 mod common;
 
@@ -32,11 +32,13 @@ fn config() -> impl Strategy<Value = (WorkspaceConfiguration, Option<usize>)> {
         prop_oneof![Just(0u64), Just(100)],
         prop_oneof![Just(None), Just(Some(LARGE * 5)), Just(Some(LARGE * 20))],
         0u64..3,
+        prop_oneof![Just(0u64), Just(LARGE as u64 * 4), Just(LARGE as u64 * 16)],
     )
-        .prop_map(|(initial, learning, spill, reset, alloc, helper, limit, cbi)| {
+        .prop_map(|(initial, learning, spill, reset, alloc, helper, limit, cbi, max)| {
             (
                 WorkspaceConfiguration {
                     initial_size: initial,
+                    max_size: if max > 0 { max.max(initial) } else { 0 },
                     policy_learning: learning,
                     policy_spill: spill,
                     policy_reset: reset,
@@ -71,7 +73,7 @@ fn run(config: WorkspaceConfiguration, limit: Option<usize>, source: u8, ops: Ve
     let mut program = Program::new(w);
     let mut refused = |e: &Error| {
         assert!(
-            matches!(e, Error::OutOfMemory { .. } | Error::SystemOutOfMemory { .. } | Error::Destroyed { .. }),
+            matches!(e, Error::OutOfMemory(_) | Error::SystemOutOfMemory { .. } | Error::Destroyed { .. }),
             "unexpected {e}"
         )
     };

@@ -9,8 +9,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyString, PyTuple};
 use rustws_core::Error;
 
+use crate::errors::to_py;
 use crate::handler::{self, Shared};
-use crate::to_py;
 
 fn type_name(v: &Bound<'_, PyAny>) -> String {
     v.get_type().name().map(|n| n.to_string()).unwrap_or_default()

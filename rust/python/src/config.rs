@@ -7,14 +7,21 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 use rustws_core::{parse_size as core_parse_size, WorkspaceConfiguration};
 
-use crate::to_py;
+use crate::calls;
+use crate::errors::to_py;
 
 pub(crate) fn field_error(field: &str, message: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(format!("invalid {field}: {message}"))
 }
 
+/// The value of `field` in `d`, looked up by its name made at import (see `calls::Names`).
+fn item<'py>(d: &Bound<'py, PyDict>, field: &'static str) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let i = FIELDS.iter().position(|f| *f == field).expect("a field of the configuration");
+    d.get_item(calls::names(d.py())?.fields[i].bind(d.py()))
+}
+
 fn size_field(d: &Bound<'_, PyDict>, field: &'static str) -> PyResult<Option<u64>> {
-    let Some(v) = d.get_item(field)? else { return Ok(None) };
+    let Some(v) = item(d, field)? else { return Ok(None) };
     if let Ok(s) = v.cast::<PyString>() {
         return core_parse_size(s.to_str()?).map(Some).map_err(|m| field_error(field, m));
     }
@@ -28,15 +35,19 @@ fn size_field(d: &Bound<'_, PyDict>, field: &'static str) -> PyResult<Option<u64
 }
 
 fn policy_field<T: std::str::FromStr<Err = String>>(d: &Bound<'_, PyDict>, field: &'static str) -> PyResult<Option<T>> {
-    let Some(v) = d.get_item(field)? else { return Ok(None) };
-    let text: String = match v.getattr("value") {
-        Ok(inner) if !v.is_instance_of::<PyString>() => inner.extract()?,
-        _ => v.extract().map_err(|_| PyTypeError::new_err(format!("{field} must be a policy member or its name")))?,
+    let Some(v) = item(d, field)? else { return Ok(None) };
+    let value = calls::names(d.py())?.value.bind(d.py());
+    let text = match v.getattr(value) {
+        Ok(inner) if !v.is_instance_of::<PyString>() => inner,
+        _ => v,
     };
-    text.parse::<T>().map(Some).map_err(|m| field_error(field, m))
+    let Ok(text) = text.cast::<PyString>() else {
+        return Err(PyTypeError::new_err(format!("{field} must be a policy member or its name")));
+    };
+    text.to_str()?.parse::<T>().map(Some).map_err(|m| field_error(field, m))
 }
 
-const FIELDS: &[&str] = &[
+pub(crate) const FIELDS: &[&str] = &[
     "initial_size",
     "min_size",
     "max_size",
@@ -59,9 +70,9 @@ const FIELDS: &[&str] = &[
 /// Builds and validates a core configuration from a dict of the contract's fields.
 pub(crate) fn config_from_dict(d: &Bound<'_, PyDict>) -> PyResult<WorkspaceConfiguration> {
     for key in d.keys() {
-        let k: String = key.extract()?;
-        if !FIELDS.contains(&k.as_str()) {
-            return Err(PyTypeError::new_err(format!("unknown configuration field {k:?}")));
+        let known = key.cast::<PyString>().ok().and_then(|k| k.to_str().ok()).is_some_and(|k| FIELDS.contains(&k));
+        if !known {
+            return Err(PyTypeError::new_err(format!("unknown configuration field {key:?}")));
         }
     }
     let mut c = WorkspaceConfiguration::default();
@@ -77,7 +88,7 @@ pub(crate) fn config_from_dict(d: &Bound<'_, PyDict>) -> PyResult<WorkspaceConfi
             }
         };
         ($f:ident, bool) => {
-            if let Some(v) = d.get_item(stringify!($f))? {
+            if let Some(v) = item(d, stringify!($f))? {
                 c.$f = v
                     .extract::<bool>()
                     .map_err(|_| PyTypeError::new_err(concat!(stringify!($f), " must be a bool")))?;
@@ -98,19 +109,19 @@ pub(crate) fn config_from_dict(d: &Bound<'_, PyDict>) -> PyResult<WorkspaceConfi
     set!(debug_mode, policy);
     set!(helper_allow_fallback, bool);
     set!(use_cycle_detector, bool);
-    if let Some(v) = d.get_item("overallocation_limit")? {
+    if let Some(v) = item(d, "overallocation_limit")? {
         if v.is_instance_of::<pyo3::types::PyBool>() {
             return Err(PyTypeError::new_err("overallocation_limit must be a number"));
         }
         c.overallocation_limit =
             v.extract::<f64>().map_err(|_| PyTypeError::new_err("overallocation_limit must be a number"))?;
     }
-    if let Some(v) = d.get_item("cycles_before_initialization")? {
+    if let Some(v) = item(d, "cycles_before_initialization")? {
         let n = v.extract::<i128>().map_err(|_| PyTypeError::new_err("cycles_before_initialization must be an int"))?;
         c.cycles_before_initialization = u64::try_from(n)
             .map_err(|_| field_error("cycles_before_initialization", format!("must be >= 0, got {n}")))?;
     }
-    if let Some(v) = d.get_item("temp_file_path")? {
+    if let Some(v) = item(d, "temp_file_path")? {
         if !v.is_none() {
             let os = py_fspath(&v)?;
             c.temp_file_path = Some(os.into());

@@ -1,11 +1,14 @@
 //! The loop form of cycles: `for item in ws.cycles(iterable):` makes each iteration one cycle of
-//! the workspace. Between two items the cycle ends, the iterable makes the next item outside any
-//! cycle, and the next cycle begins in the same scope, reopened in place: no scope is pushed or
+//! the workspace, a cycle of its own even beside an open one (an enclosing `with ws:`, another
+//! loop over the workspace advanced in turn), as concurrent tasks' cycles are. Between two items
+//! the cycle ends, the iterable makes the next item outside any cycle, and the next cycle begins
+//! in the same scope, reopened in place wherever it lies in the stack: no scope is pushed or
 //! popped per item, and NumPy's context variable is only read. Leaving the loop (exhausting it,
 //! `break`, an exception) closes the open cycle: `break` and exceptions drop the iterator, and
-//! dropping it closes it.
+//! dropping it closes it, on whatever thread it is dropped (a generator paused inside the loop
+//! and finalised elsewhere).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 
@@ -13,36 +16,48 @@ use crate::scope::{self, ScopeState};
 use crate::WorkspaceCore;
 
 /// The iterator `Workspace.cycles(iterable)` returns.
-#[pyclass(module = "rustws._rustws", unsendable)]
+#[pyclass(module = "rustws._rustws", frozen)]
 pub(crate) struct Cycles {
     ws: Py<PyAny>,
     items: Py<pyo3::types::PyIterator>,
+    /// Never held while Python runs (the iterable's next item, a report at a cycle end).
+    loop_state: Mutex<LoopState>,
+}
+
+#[derive(Default)]
+struct LoopState {
     /// The loop's scope, from the first item on.
-    state: Option<Arc<ScopeState>>,
+    scope: Option<Arc<ScopeState>>,
     /// Whether an iteration's cycle is open.
     open: bool,
-    /// Whether the iterable is exhausted (or failed).
+    /// Whether the iterable is exhausted (or failed), or the loop was left.
     done: bool,
 }
 
 impl Cycles {
     pub(crate) fn new(ws: &Bound<'_, WorkspaceCore>, iterable: &Bound<'_, PyAny>) -> PyResult<Self> {
         let items = iterable.try_iter()?.unbind();
-        Ok(Cycles { ws: ws.clone().into_any().unbind(), items, state: None, open: false, done: false })
+        Ok(Cycles { ws: ws.clone().into_any().unbind(), items, loop_state: Mutex::new(LoopState::default()) })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, LoopState> {
+        self.loop_state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Leaves the loop: the open cycle closes (as a `with` exit), and the scope is forgotten.
-    fn leave(&mut self, py: Python<'_>, clean: bool) -> PyResult<()> {
-        self.done = true;
+    fn leave(&self, py: Python<'_>, clean: bool) -> PyResult<()> {
+        let (scope, open) = {
+            let mut s = self.state();
+            s.done = true;
+            (s.scope.take(), std::mem::take(&mut s.open))
+        };
+        let Some(scope) = scope else { return Ok(()) };
         let ws = self.ws.bind(py);
         let core = ws.cast::<WorkspaceCore>()?.get();
-        let state = self.state.take();
-        if std::mem::take(&mut self.open) {
-            return core.exit_scope(py, ws, clean);
+        if open {
+            return core.exit_state(py, ws, &scope, clean);
         }
-        if let Some(state) = state {
-            core.forget_scope(&state);
-        }
+        core.forget_scope(&scope);
         Ok(())
     }
 }
@@ -53,16 +68,22 @@ impl Cycles {
         slf
     }
 
-    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        if self.done {
-            return Ok(None);
-        }
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        let ending = {
+            let mut s = self.state();
+            if s.done {
+                return Ok(None);
+            }
+            if std::mem::take(&mut s.open) {
+                s.scope.clone()
+            } else {
+                None
+            }
+        };
         let ws = self.ws.bind(py).clone();
         let core = ws.cast::<WorkspaceCore>()?.get();
-        if self.open {
-            let state = self.state.clone().expect("an open iteration has its scope");
-            self.open = false;
-            core.end_iteration(py, &ws, &state)?;
+        if let Some(scope) = ending {
+            core.end_iteration(py, &ws, &scope)?;
         }
         let item = match self.items.bind(py).clone().next() {
             Some(Ok(item)) => item,
@@ -75,31 +96,36 @@ impl Cycles {
                 return Err(e);
             }
         };
-        if let Some(state) = self.state.clone() {
-            let top = scope::is_top(py, &state)?;
-            if core.begin_iteration(py, &state, top)? {
-                self.open = true;
+        let kept = self.state().scope.clone();
+        if let Some(scope) = kept {
+            let in_stack = scope::in_stack(py, &scope)?;
+            if core.begin_iteration(py, &scope, in_stack)? {
+                self.state().open = true;
                 return Ok(Some(item.unbind()));
             }
-            // Something replaced the loop's scope meanwhile: enter one anew.
-            core.forget_scope(&state);
-            self.state = None;
+            // Something took the loop's scope out meanwhile: enter one anew.
+            core.forget_scope(&scope);
+            self.state().scope = None;
         }
-        self.state = Some(core.enter_scope(py, &ws)?);
-        self.open = true;
+        let scope = core.enter_scope(py, &ws, false)?;
+        let mut s = self.state();
+        s.scope = Some(scope);
+        s.open = true;
         Ok(Some(item.unbind()))
     }
 
     /// Closes the open cycle now, as leaving the loop does.
-    fn close_loop(&mut self, py: Python<'_>) -> PyResult<()> {
+    fn close_loop(&self, py: Python<'_>) -> PyResult<()> {
         self.leave(py, true)
     }
 }
 
 impl Drop for Cycles {
     fn drop(&mut self) {
-        if self.open || self.state.is_some() {
-            // SAFETY: a pyclass is dropped by its type's deallocator, with the GIL held.
+        let s = self.loop_state.get_mut().unwrap_or_else(|e| e.into_inner());
+        if s.open || s.scope.is_some() {
+            // SAFETY: a pyclass is dropped by its type's deallocator, with the GIL held, on whatever
+            // thread drops the last reference.
             let py = unsafe { Python::assume_attached() };
             if let Err(e) = self.leave(py, false) {
                 e.write_unraisable(py, None);

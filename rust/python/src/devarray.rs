@@ -21,7 +21,8 @@ use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple};
 use crate::arrays::{extract_descr, extract_shape};
 use crate::device::Block;
 use crate::dlpack::dlpack_capsule;
-use crate::{dispose, handler, py_error, to_py, WorkspaceCore};
+use crate::errors::{self, to_py};
+use crate::{dispose, handler, WorkspaceCore};
 
 const KDL_CPU: i32 = 1;
 const KDL_CUDA: i32 = 2;
@@ -108,7 +109,7 @@ impl Drop for DeviceArray {
 }
 
 fn disposed_error(py: Python<'_>) -> PyErr {
-    py_error(py, "DisposedArrayError", "this DeviceArray was disposed".to_string())
+    errors::new(py, errors::Class::Disposed, "this DeviceArray was disposed")
 }
 
 fn numpy(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {

@@ -35,8 +35,9 @@ use rustws_core::cuda::{CudaMemory, DeferredRelease, StreamEvent};
 use rustws_core::{Backend, Error};
 
 use crate::arrays::ArrayFields;
+use crate::errors::to_py;
 use crate::handler::Shared;
-use crate::{to_py, WorkspaceCore};
+use crate::WorkspaceCore;
 
 /// Device buffers start at this alignment (what `cudaMalloc` guarantees and CUDA libraries
 /// expect); arena blocks are 64-byte aligned, so they carry the difference (blocks of their own
@@ -198,13 +199,9 @@ fn reclaim_detached(memory: &Memory) {
 /// Allocates `nbytes` at [`DEVICE_ALIGN`] from the workspace; returns (block, aligned pointer).
 pub(crate) fn alloc_aligned(memory: &Memory, nbytes: usize) -> Result<(NonNull<u8>, usize), Error> {
     let shared = &memory.shared;
-    let request = nbytes.max(1).checked_add(SLACK).ok_or_else(|| Error::OutOfMemory {
-        workspace: shared.name.clone(),
-        requested: nbytes as u64,
-        in_use: 0,
-        limit: 0,
-        reason: "request too large",
-    })?;
+    let Some(request) = nbytes.max(1).checked_add(SLACK) else {
+        return Err(shared.lock().refusal(u64::MAX, "request too large"));
+    };
     if let Some(p) = &memory.pending {
         p.settle(false);
     }
@@ -296,8 +293,9 @@ impl Block {
         };
         if zeroed && nbytes > 0 {
             // SAFETY: the block's `nbytes` bytes lie in the workspace block just allocated.
-            if let Err(what) = unsafe { memory.backend.zero(block.at(), nbytes) } {
-                return Err(Error::Unavailable { what }); // the block goes back as it drops
+            if let Err(cause) = unsafe { memory.backend.zero(block.at(), nbytes) } {
+                // The block goes back as it drops.
+                return Err(Error::device("the device refused to clear a new block", cause));
             }
         }
         Ok(block)
@@ -333,7 +331,7 @@ impl Block {
         py.detach(|| unsafe {
             backend.copy_from_host(NonNull::new_unchecked(dst as *mut u8), NonNull::new_unchecked(src as *mut u8), n)
         })
-        .map_err(|e| to_py(py, Error::Unavailable { what: e }))
+        .map_err(|e| to_py(py, Error::device("a copy to the device failed", e)))
     }
 
     /// Copies the block's first bytes into `array` (a writeable contiguous ndarray).
@@ -350,7 +348,7 @@ impl Block {
         py.detach(|| unsafe {
             backend.copy_to_host(NonNull::new_unchecked(dst as *mut u8), NonNull::new_unchecked(src as *mut u8), n)
         })
-        .map_err(|e| to_py(py, Error::Unavailable { what: e }))
+        .map_err(|e| to_py(py, Error::device("a copy from the device failed", e)))
     }
 
     /// Copies `nbytes` bytes from `other` (a block of the same backend) into this one.
@@ -364,7 +362,7 @@ impl Block {
             // SAFETY: both are live blocks of this backend, valid for `nbytes`; distinct live
             // blocks never overlap.
             unsafe { self.memory.backend.copy(self.at(), other.at(), nbytes) }
-                .map_err(|what| to_py(py, Error::Unavailable { what }))?;
+                .map_err(|e| to_py(py, Error::device("a copy on the device failed", e)))?;
         }
         Ok(())
     }
@@ -376,7 +374,8 @@ impl Block {
     /// CUDA device's.
     pub(crate) fn order_before(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
         let Some(cuda) = &self.memory.cuda else { return Ok(()) };
-        cuda.order_before(stream).map_err(|e| to_py(py, Error::Unavailable { what: e }))?;
+        cuda.order_before(stream)
+            .map_err(|e| to_py(py, Error::device("cannot order the stream after the workspace's work", e)))?;
         if stream != 1 {
             // The legacy stream orders itself: nothing to follow for it.
             let ordered = cuda.synchronizes_with_legacy(stream).unwrap_or(false);

@@ -7,18 +7,26 @@
 //! destroyed. That handler serves every request (explicit allocations use it).
 //!
 //! Capture goes through a scope's own handler instead ([`capture_handler`]), whose `ctx` is the
-//! scope's [`Capture`]: it serves a request from the workspace only on the thread that opened the
-//! scope, while the scope is open, and for requests of at least `helper_min_size` bytes; every
-//! other request (a thread or task that runs a copy of the opening context, a scope already
-//! closed, a destroyed workspace, a small request) is served by NumPy's own allocator, without
-//! taking the workspace's lock. Such *foreign* blocks carry a header too, so that every free finds
-//! out, lock-free, where its block came from.
+//! scope's [`Capture`]: it serves a request from the workspace only where the scope is open (its
+//! thread, its task), and for requests of at least `helper_min_size` bytes; every other request (a
+//! thread or task that runs a copy of the opening context, a scope already closed, a destroyed
+//! workspace, a small request) is served by the handler below the scope (NumPy's own allocator,
+//! or a scope below), exactly as that handler serves it: same size, no header, no lock.
+//!
+//! A free finds out where its block came from without reading memory in front of it. NumPy frees
+//! a block with the size it asked for (its own small-block cache relies on that), so a block
+//! smaller than `helper_min_size` was never the workspace's; any other block is the workspace's
+//! if the workspace says so, which it answers from its own memory alone (the ranges of its arena
+//! regions and its table of blocks outside them). A block that is not the workspace's goes back
+//! to the handler below, and a reallocation keeps a block with the allocator that made it
+//! (a workspace block moves out to the handler below only where the workspace no longer serves).
 //!
 //! The handlers' functions never call into Python and never unwind: a refusal is recorded (for
 //! the Python layer to report) and NumPy gets NULL.
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr};
+use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::{null_mut, NonNull};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,7 +36,6 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use rustws_core::arena::{header_of, live_kind, write_live_header, BlockHeader, HEADER};
 use rustws_core::{BlockKind, Error, Workspace};
 
 /// The capsule name NumPy requires.
@@ -62,7 +69,7 @@ pub struct Shared {
     /// Set with the core's own flag by [`Shared::destroy`], and read without the lock.
     destroyed: AtomicBool,
     workspace: Mutex<Workspace>,
-    /// Requests refused while capturing, drained and logged by the Python layer.
+    /// Requests refused while capturing, drained and reported by the Python layer.
     failures: Mutex<Vec<Error>>,
     /// Whether `failures` holds anything: read at every cycle exit without the lock.
     pub has_failures: AtomicBool,
@@ -77,13 +84,16 @@ pub struct Shared {
     pub handler_name: [c_char; 127],
 }
 
-/// Refusal messages kept between two cycle exits; later ones are counted, not kept.
+/// Refusals kept between two cycle exits; later ones are counted, not kept.
 const MAX_KEPT_FAILURES: usize = 64;
 
 thread_local! {
     /// The last refusal on this thread, so that an explicit allocation can raise the workspace's
-    /// own error instead of NumPy's generic `MemoryError`.
-    static LAST_REFUSAL: RefCell<Option<Error>> = const { RefCell::new(None) };
+    /// own error instead of NumPy's generic `MemoryError`. Never dropped with the thread (a
+    /// refusal left here when a thread ends keeps a reference to a workspace's name): a
+    /// thread-local that needs no destructor is never registered with the C library, which can
+    /// itself fail where memory ran out.
+    static LAST_REFUSAL: ManuallyDrop<RefCell<Option<Error>>> = const { ManuallyDrop::new(RefCell::new(None)) };
 }
 
 /// Takes the last refusal recorded on this thread.
@@ -130,10 +140,10 @@ impl Shared {
         self.destroyed.load(Ordering::Relaxed)
     }
 
-    pub fn drain_failures(&self) -> Vec<String> {
+    /// The refusals recorded since the last call.
+    pub fn drain_failures(&self) -> Vec<Error> {
         self.has_failures.store(false, Ordering::Relaxed);
-        let failures = std::mem::take(&mut *self.failures.lock().unwrap_or_else(|e| e.into_inner()));
-        failures.iter().map(Error::to_string).collect()
+        std::mem::take(&mut *self.failures.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Records a refusal (allocating nothing but room the list may fail to get) and returns the
@@ -141,9 +151,9 @@ impl Shared {
     fn refuse(&self, e: Error) -> *mut c_void {
         {
             let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-            // Kept for the next cycle exit to log; a workspace used without cycles must not
-            // accumulate them forever. Out of memory, the list may find no room: then the
-            // refusal still reaches the caller through `LAST_REFUSAL`.
+            // Kept for the next cycle exit to report; a workspace used without cycles must not
+            // accumulate them forever. Out of memory, the list may find no room: then the refusal
+            // still reaches the caller through `LAST_REFUSAL`.
             if failures.len() < MAX_KEPT_FAILURES && failures.try_reserve(1).is_ok() {
                 failures.push(e.clone());
             }
@@ -153,16 +163,16 @@ impl Shared {
         null_mut()
     }
 
+    /// A block for NumPy: from the workspace, or (once it is destroyed) from NumPy's own
+    /// allocator; NULL for a refusal.
     fn alloc(&self, size: usize, zeroed: bool) -> *mut c_void {
         if !self.host_accessible {
             // Device memory under a NumPy array would crash the first read.
-            return self.refuse(Error::Unavailable {
-                what: format!("workspace {:?} holds device memory, which NumPy cannot use", self.name),
-            });
+            return self.refuse(Error::unavailable("a device workspace's memory cannot hold NumPy arrays"));
         }
         if self.is_destroyed() {
             // Code still running after `destroy()` gets ordinary memory.
-            return foreign_alloc(std::ptr::null(), size, zeroed);
+            return allocate(default_handler_ptr(), size, zeroed);
         }
         let mut ws = self.lock();
         let r = if ws.is_destroyed() {
@@ -179,72 +189,66 @@ impl Shared {
         }
     }
 
-    /// Frees a block of this workspace or a foreign one.
+    /// Frees `p` if it is a block of this workspace; says whether it was.
     ///
     /// # Safety
-    /// `p` was handed out by one of this workspace's handlers (or a capture handler of it) and is
-    /// freed once.
-    unsafe fn free(&self, p: NonNull<u8>) {
-        // SAFETY: every block the handlers hand out has a header in front of it.
-        if unsafe { free_if_foreign(p) } {
-            return;
-        }
-        // SAFETY: the caller's guarantee (the core checks that the header names this workspace).
-        unsafe { self.lock().free(p) };
+    /// `p` is a block NumPy frees through a handler of this workspace: its own, or one a handler
+    /// below served; freed once.
+    unsafe fn free_if_ours(&self, p: NonNull<u8>) -> bool {
+        // SAFETY: the caller's guarantee: `p` starts a block of this workspace or of another
+        // allocator.
+        unsafe { self.lock().free_if_ours(p) }
     }
 
-    /// Whether the block `p` (handed out by a handler of ours) is this workspace's.
+    /// Resizes `p` if it is a block of this workspace: in the workspace when `stays`, else moved
+    /// to the handler `out`. None when `p` is no block of this workspace.
     ///
     /// # Safety
-    /// A header of ours, live, precedes `p`.
-    unsafe fn owns(&self, p: NonNull<u8>) -> bool {
-        // SAFETY: the caller's guarantee.
-        unsafe {
-            let h = header_of(p).as_ptr();
-            live_kind(h).is_some() && std::ptr::addr_of!((*h).owner).read() == self.id
-        }
-    }
-
-    /// # Safety
-    /// As for [`Shared::free`]; `ptr` is live.
-    unsafe fn realloc(
+    /// As for [`Shared::free_if_ours`]; `p` is live and `out` a live handler.
+    unsafe fn realloc_if_ours(
         &self,
         p: NonNull<u8>,
         new_size: usize,
-        captured: bool,
-        via: *const PyDataMemHandler,
-    ) -> *mut c_void {
-        // SAFETY: every block the handlers hand out has a header in front of it.
-        let foreign = unsafe { foreign_header(p) };
-        if foreign.is_some() || !captured || self.is_destroyed() {
-            // Moved: to workspace memory when this request is captured, else to NumPy's own.
-            let old = match foreign {
-                Some(h) => h.requested,
-                // SAFETY: a live block of this workspace.
-                None => unsafe { self.lock().block_info(p) }.requested,
-            };
-            let q = if captured { self.alloc(new_size, false) } else { foreign_alloc(via, new_size, false) };
-            if !q.is_null() {
-                // SAFETY: both blocks are live host memory, distinct, valid for the bytes copied.
-                unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), q.cast::<u8>(), old.min(new_size)) };
-                // SAFETY: the caller gives `p` up; freed once.
-                unsafe { self.free(p) };
-            }
-            return q;
-        }
+        stays: bool,
+        out: *const PyDataMemHandler,
+    ) -> Option<*mut c_void> {
         let mut ws = self.lock();
-        // SAFETY: NumPy reallocates only data it allocated through this handler and still owns.
-        let r = unsafe { ws.realloc(p, new_size) };
-        drop(ws);
-        match r {
-            Ok(q) => q.as_ptr().cast(),
-            Err(e) => self.refuse(e),
+        // SAFETY: the caller's guarantee.
+        let info = unsafe { ws.find_block(p) }?;
+        if stays {
+            // SAFETY: a live block of this workspace, given up on success.
+            let r = unsafe { ws.realloc(p, new_size) };
+            drop(ws);
+            return Some(match r {
+                Ok(q) => q.as_ptr().cast(),
+                Err(e) => self.refuse(e),
+            });
         }
+        // Out of the workspace: the handler below may be a scope of this same workspace, so the
+        // lock is not held while it serves.
+        drop(ws);
+        let q = allocate(out, new_size, false);
+        if !q.is_null() {
+            // SAFETY: both blocks are live host memory, distinct, valid for the bytes copied.
+            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), q.cast::<u8>(), info.requested.min(new_size)) };
+            // SAFETY: a live block of this workspace, given up now.
+            unsafe { self.lock().free(p) };
+        }
+        Some(q)
+    }
+
+    /// The kind of `p` if it is a live block of this workspace.
+    ///
+    /// # Safety
+    /// As for [`Shared::free_if_ours`]; `p` is live.
+    pub(crate) unsafe fn kind_of(&self, p: NonNull<u8>) -> Option<BlockKind> {
+        // SAFETY: forwarded.
+        unsafe { self.lock().find_block(p) }.map(|b| b.kind)
     }
 }
 
-/// What a scope's capture handler serves through: the workspace, and the scope's state (the
-/// thread that opened it, whether it is still open).
+/// What a scope's capture handler serves through: the workspace, and the scope's state (where it
+/// was opened, whether it is still open).
 #[derive(Debug)]
 pub(crate) struct Capture {
     pub shared: Arc<Shared>,
@@ -273,7 +277,7 @@ impl Capture {
         if self.state.open.load(Ordering::Relaxed) || self.state.thread != crate::scope::thread_ident() {
             return;
         }
-        if attached() {
+        if crate::threadstate::attached() {
             // SAFETY: this thread's thread state is attached: it holds the GIL.
             let py = unsafe { Python::assume_attached() };
             crate::scope::settle_closed(py, self.node);
@@ -281,32 +285,7 @@ impl Capture {
     }
 }
 
-/// Whether the calling thread has an attached Python thread state (holds the GIL): CPython's
-/// unchecked thread-state getter, found at run time (`PyThreadState_GetUnchecked` from 3.13,
-/// `_PyThreadState_UncheckedGet` before). False when neither is there.
-fn attached() -> bool {
-    type Getter = unsafe extern "C" fn() -> *mut ffi::PyThreadState;
-    static GETTER: OnceLock<Option<Getter>> = OnceLock::new();
-    let getter = GETTER.get_or_init(|| {
-        for name in [c"PyThreadState_GetUnchecked", c"_PyThreadState_UncheckedGet"] {
-            // SAFETY: a symbol lookup in the process's global scope, with a C string name.
-            let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-            if !f.is_null() {
-                // SAFETY: both symbols are `PyThreadState *(void)` in every CPython that has them.
-                return Some(unsafe { std::mem::transmute::<*mut c_void, Getter>(f) });
-            }
-        }
-        None
-    });
-    // SAFETY: the getter only reads this thread's current thread state.
-    getter.is_some_and(|g| !unsafe { g() }.is_null())
-}
-
-// -- foreign blocks: NumPy's own allocator, with a header -----------------------------------------
-
-/// Room in front of a foreign block's data: its header, and what aligning it to 64 bytes may take
-/// from an allocation aligned to 16.
-const FOREIGN_PAD: usize = HEADER + 48;
+// -- the handlers below a workspace: NumPy's own, or a scope's --------------------------------------
 
 /// NumPy's default allocator as its handler lends it (found once; NumPy keeps it for the life of
 /// the process).
@@ -329,71 +308,56 @@ fn default_handler_ptr() -> *const PyDataMemHandler {
     DEFAULT_ALLOCATOR.get().map_or(std::ptr::null(), |&p| p as *const PyDataMemHandler)
 }
 
-/// A block of `size` bytes from the handler `via` (NumPy's default when null), with a foreign
-/// header that names it; NULL when that handler refuses (NumPy then raises `MemoryError`).
-fn foreign_alloc(via: *const PyDataMemHandler, size: usize, zeroed: bool) -> *mut c_void {
+/// The allocator of the handler `via` (NumPy's default when null); None when none is known.
+fn allocator_of(via: *const PyDataMemHandler) -> Option<PyDataMemAllocator> {
     let via = if via.is_null() { default_handler_ptr() } else { via };
-    let Some(total) = size.checked_add(FOREIGN_PAD) else { return null_mut() };
-    if via.is_null() {
-        return null_mut();
-    }
     // SAFETY: `via` is a live handler: NumPy's default (a static of NumPy's) or the one a scope
     // node lends below it, which the node (and so every block it serves) keeps alive.
-    let a = unsafe { (*via).allocator };
-    // SAFETY: the handler's own functions with its own context; the sizes are non-zero.
-    let raw = unsafe {
+    (!via.is_null()).then(|| unsafe { (*via).allocator })
+}
+
+/// A block of `size` bytes from the handler `via` (NumPy's default when null), as that handler
+/// serves it; NULL when it refuses (NumPy then raises `MemoryError`).
+fn allocate(via: *const PyDataMemHandler, size: usize, zeroed: bool) -> *mut c_void {
+    let Some(a) = allocator_of(via) else { return null_mut() };
+    // SAFETY: the handler's own functions with its own context.
+    unsafe {
         if zeroed {
-            (a.calloc)(a.ctx, 1, total)
+            (a.calloc)(a.ctx, 1, size)
         } else {
-            (a.malloc)(a.ctx, total)
+            (a.malloc)(a.ctx, size)
         }
-    };
-    let Some(raw) = NonNull::new(raw.cast::<u8>()) else { return null_mut() };
-    let offset = (raw.as_ptr() as usize).next_multiple_of(64) - raw.as_ptr() as usize;
-    // SAFETY: `raw` holds `total = size + HEADER + 48` bytes and the header starts at most 48
-    // bytes in, 64-aligned: it and the data behind it lie inside the allocation, owned by us.
-    // The header records the offset and the handler, to give the allocation back.
-    unsafe { write_live_header(raw.add(offset), BlockKind::Foreign, 0, offset as u32, total, size, via as u64) }
-        .as_ptr()
-        .cast()
-}
-
-/// The header of `p` when it is a live foreign block.
-///
-/// # Safety
-/// `p` was handed out by a handler of this module (a header is in front of it).
-unsafe fn foreign_header<'a>(p: NonNull<u8>) -> Option<&'a BlockHeader> {
-    // SAFETY: the caller's guarantee: a header of ours, 64-aligned, precedes `p`.
-    unsafe {
-        let h = header_of(p).as_ptr();
-        (live_kind(h) == Some(BlockKind::Foreign)).then(|| &*h)
     }
 }
 
-/// Frees `p` to NumPy's allocator if it is a foreign block; returns whether it was.
+/// Gives `ptr` (of `size` bytes) back to the handler `via` that served it.
 ///
 /// # Safety
-/// As for [`foreign_header`]; the block is freed once.
-unsafe fn free_if_foreign(p: NonNull<u8>) -> bool {
-    // SAFETY: forwarded.
-    let Some(h) = (unsafe { foreign_header(p) }) else { return false };
-    let (offset, total, via) = (h.region as usize, h.slot, h.generation as usize as *const PyDataMemHandler);
-    // SAFETY: the handler that served the block is alive: NumPy's default, or one a scope node
-    // lends, kept alive by that node, which every block it served keeps alive.
-    let a = unsafe { (*via).allocator };
-    // SAFETY: the header is ours; the allocation it lies in started `offset` bytes before it and
-    // holds `total` bytes; it is given back once, to the handler that made it.
-    unsafe {
-        let at = header_of(p).as_ptr();
-        (*at).magic = 0;
-        (a.free)(a.ctx, at.cast::<u8>().sub(offset).cast(), total);
+/// `ptr` was served by `via` (NumPy's default when null) and is freed once.
+unsafe fn release(via: *const PyDataMemHandler, ptr: *mut c_void, size: usize) {
+    if let Some(a) = allocator_of(via) {
+        // SAFETY: the caller's guarantee; the handler's own function with its own context.
+        unsafe { (a.free)(a.ctx, ptr, size) };
     }
-    true
+}
+
+/// Resizes `ptr` with the handler `via` that served it.
+///
+/// # Safety
+/// `ptr` was served by `via` (NumPy's default when null) and is live.
+unsafe fn resize(via: *const PyDataMemHandler, ptr: *mut c_void, new_size: usize) -> *mut c_void {
+    match allocator_of(via) {
+        // SAFETY: the caller's guarantee; the handler's own function with its own context.
+        Some(a) => unsafe { (a.realloc)(a.ctx, ptr, new_size) },
+        None => null_mut(),
+    }
 }
 
 fn guarded<T>(fallback: T, f: impl FnOnce() -> T) -> T {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or(fallback)
 }
+
+// -- the workspace's own handler ----------------------------------------------------------------------
 
 /// # Safety
 /// `ctx` is the `Shared` pointer this module stored in the handler (alive while the capsule is).
@@ -415,16 +379,7 @@ unsafe extern "C" fn ws_calloc(ctx: *mut c_void, nelem: usize, elsize: usize) ->
         match nelem.checked_mul(elsize) {
             Some(n) => s.alloc(n, true),
             None => {
-                let mut ws = s.lock();
-                ws.record_failure();
-                let e = Error::OutOfMemory {
-                    workspace: s.name.clone(),
-                    requested: u64::MAX,
-                    in_use: 0,
-                    limit: 0,
-                    reason: "element count times element size overflows",
-                };
-                drop(ws);
+                let e = s.lock().refusal(u64::MAX, "element count times element size overflows");
                 s.refuse(e)
             }
         }
@@ -435,20 +390,24 @@ unsafe extern "C" fn ws_realloc(ctx: *mut c_void, ptr: *mut c_void, new_size: us
     guarded(null_mut(), || {
         // SAFETY: NumPy passes back the ctx we registered.
         let s = unsafe { shared(ctx) };
-        match NonNull::new(ptr.cast::<u8>()) {
-            None => s.alloc(new_size, false),
-            // SAFETY: NumPy reallocates only data it allocated through this handler and owns.
-            Some(p) => unsafe { s.realloc(p, new_size, true, std::ptr::null()) },
-        }
+        let Some(p) = NonNull::new(ptr.cast::<u8>()) else { return s.alloc(new_size, false) };
+        // SAFETY: NumPy reallocates only data it allocated through this handler and owns: a block
+        // of this workspace, or NumPy's own (served after `destroy`).
+        unsafe { s.realloc_if_ours(p, new_size, true, null_mut()) }
+            .unwrap_or_else(|| unsafe { resize(null_mut(), ptr, new_size) })
     })
 }
 
-unsafe extern "C" fn ws_free(ctx: *mut c_void, ptr: *mut c_void, _size: usize) {
+unsafe extern "C" fn ws_free(ctx: *mut c_void, ptr: *mut c_void, size: usize) {
     guarded((), || {
         let Some(p) = NonNull::new(ptr.cast::<u8>()) else { return };
         // SAFETY: NumPy passes back the ctx we registered; it frees only data it allocated
-        // through this handler, once.
-        unsafe { shared(ctx).free(p) };
+        // through this handler, once: a block of this workspace, or NumPy's own.
+        unsafe {
+            if !shared(ctx).free_if_ours(p) {
+                release(null_mut(), ptr, size);
+            }
+        }
     })
 }
 
@@ -462,34 +421,6 @@ unsafe fn capture<'a>(ctx: *mut c_void) -> &'a Capture {
     unsafe { &*(ctx as *const Capture) }
 }
 
-/// Whether `h` is a handler of this module (a workspace's or a scope's).
-fn is_ours(h: *const PyDataMemHandler) -> bool {
-    if h.is_null() {
-        return false;
-    }
-    // SAFETY: a live handler (the caller's).
-    let m = unsafe { (*h).allocator.malloc } as usize;
-    m == ws_malloc as *const () as usize || m == capture_malloc as *const () as usize
-}
-
-/// Serves what a scope's workspace does not take through the handler below it: one of ours
-/// directly (its blocks carry our headers), any other with a foreign header.
-fn delegate(below: *const PyDataMemHandler, size: usize, zeroed: bool) -> *mut c_void {
-    if !is_ours(below) {
-        return foreign_alloc(below, size, zeroed);
-    }
-    // SAFETY: one of our handlers, alive as long as the node that lends it below this one.
-    let a = unsafe { (*below).allocator };
-    // SAFETY: the handler's own functions with its own context.
-    unsafe {
-        if zeroed {
-            (a.calloc)(a.ctx, 1, size)
-        } else {
-            (a.malloc)(a.ctx, size)
-        }
-    }
-}
-
 unsafe extern "C" fn capture_malloc(ctx: *mut c_void, size: usize) -> *mut c_void {
     guarded(null_mut(), || {
         // SAFETY: NumPy passes back the ctx the node registered.
@@ -500,7 +431,7 @@ unsafe extern "C" fn capture_malloc(ctx: *mut c_void, size: usize) -> *mut c_voi
             if !c.state.open.load(Ordering::Relaxed) {
                 c.settle_if_closed();
             }
-            delegate(c.below, size, false)
+            allocate(c.below, size, false)
         }
     })
 }
@@ -513,7 +444,7 @@ unsafe extern "C" fn capture_calloc(ctx: *mut c_void, nelem: usize, elsize: usiz
             Some(n) if c.takes(n) => c.shared.alloc(n, true),
             Some(n) => {
                 c.settle_if_closed();
-                delegate(c.below, n, true)
+                allocate(c.below, n, true)
             }
             None => null_mut(),
         }
@@ -526,26 +457,16 @@ unsafe extern "C" fn capture_realloc(ctx: *mut c_void, ptr: *mut c_void, new_siz
         let c = unsafe { capture(ctx) };
         let captured = c.takes(new_size);
         let Some(p) = NonNull::new(ptr.cast::<u8>()) else {
-            return if captured { c.shared.alloc(new_size, false) } else { delegate(c.below, new_size, false) };
+            return if captured { c.shared.alloc(new_size, false) } else { allocate(c.below, new_size, false) };
         };
-        // SAFETY: NumPy reallocates only data it allocated through this handler and owns: a
-        // foreign block, one of this workspace, or one the handler below served.
+        // SAFETY: NumPy reallocates only data it allocated through this handler and owns: a block
+        // of this workspace (resized in it while the scope captures, else moved to the handler
+        // below), or one the handler below served (which resizes it).
         unsafe {
-            if foreign_header(p).is_some() || c.shared.owns(p) {
-                return c.shared.realloc(p, new_size, captured, c.below);
+            match c.shared.realloc_if_ours(p, new_size, captured, c.below) {
+                Some(q) => q,
+                None => resize(c.below, ptr, new_size),
             }
-            let a = (*c.below).allocator;
-            if !captured {
-                return (a.realloc)(a.ctx, ptr, new_size);
-            }
-            // Moved into this workspace, out of the one below.
-            let old = (*header_of(p).as_ptr()).requested;
-            let q = c.shared.alloc(new_size, false);
-            if !q.is_null() {
-                std::ptr::copy_nonoverlapping(p.as_ptr(), q.cast::<u8>(), old.min(new_size));
-                (a.free)(a.ctx, ptr, old);
-            }
-            q
         }
     })
 }
@@ -554,18 +475,12 @@ unsafe extern "C" fn capture_free(ctx: *mut c_void, ptr: *mut c_void, size: usiz
     guarded((), || {
         let Some(p) = NonNull::new(ptr.cast::<u8>()) else { return };
         // SAFETY: NumPy passes back the ctx the node registered; it frees only data it allocated
-        // through this handler, once: a foreign block, one of this workspace, or one the handler
-        // below served (which frees it).
+        // through this handler, once, with the size it asked for: a block of this workspace
+        // (never one smaller than `helper_min_size`), or one the handler below served.
         unsafe {
             let c = capture(ctx);
-            if free_if_foreign(p) {
-                return;
-            }
-            if c.shared.owns(p) {
-                c.shared.lock().free(p);
-            } else if is_ours(c.below) {
-                let a = (*c.below).allocator;
-                (a.free)(a.ctx, ptr, size);
+            if size < c.shared.small || !c.shared.free_if_ours(p) {
+                release(c.below, ptr, size);
             }
         }
     })
@@ -676,23 +591,35 @@ pub fn name_of(capsule: &Bound<'_, PyAny>) -> Option<String> {
     Some(name.to_string_lossy().into_owned())
 }
 
-/// The workspace whose memory a `mem_handler` capsule serves (its own handler's, or a scope's
-/// capture handler's), if it is one of ours.
-pub fn served_by(capsule: &Bound<'_, PyAny>) -> Option<*const Shared> {
-    let h = lent_handler(capsule).cast::<PyDataMemHandler>();
-    if h.is_null() {
-        return None;
+/// The id of the workspace whose block `data` is, for an array that owns `data` and holds the
+/// handler `capsule`: the workspace of that handler (its own, or a scope's capture handler), or
+/// of a capture handler below it that served the block; None for NumPy's own memory and for
+/// blocks outside the workspaces' accounts (bypass blocks). Asks the workspaces, reading none of
+/// the memory around `data`.
+pub fn owner_of(capsule: &Bound<'_, PyAny>, data: NonNull<u8>) -> Option<u64> {
+    let mut h = lent_handler(capsule).cast::<PyDataMemHandler>().cast_const();
+    while !h.is_null() {
+        // SAFETY: a live handler: the capsule's (held by the array), or one a node below it lends
+        // (held by that node, which the capsule's node holds).
+        let a = unsafe { (*h).allocator };
+        let (shared, below) = if a.malloc as usize == ws_malloc as *const () as usize {
+            // SAFETY: a workspace handler's ctx is its `Shared`, alive as long as the handler.
+            (unsafe { &*(a.ctx as *const Shared) }, std::ptr::null())
+        } else if a.malloc as usize == capture_malloc as *const () as usize {
+            // SAFETY: a capture handler's ctx is the `Capture` boxed beside it, alive as long as it.
+            let c = unsafe { &*(a.ctx as *const Capture) };
+            (&*c.shared, c.below)
+        } else {
+            return None;
+        };
+        // SAFETY: `data` starts a block that this handler or one below it served.
+        match unsafe { shared.kind_of(data) } {
+            Some(BlockKind::Arena | BlockKind::External | BlockKind::Huge) => return Some(shared.id),
+            Some(_) => return None,
+            None => h = below,
+        }
     }
-    // SAFETY: a valid `mem_handler` capsule lends a `PyDataMemHandler` that lives as long as it.
-    let a = unsafe { (*h).allocator };
-    if a.malloc as usize == ws_malloc as *const () as usize {
-        Some(a.ctx as *const Shared)
-    } else if a.malloc as usize == capture_malloc as *const () as usize {
-        // SAFETY: a capture handler's ctx is the `Capture` boxed beside it, alive as long as it.
-        Some(Arc::as_ptr(&unsafe { &*(a.ctx as *const Capture) }.shared))
-    } else {
-        None
-    }
+    None
 }
 
 /// `PyDataMem_SetHandler`: makes `handler` (None: NumPy's default) current in this context and

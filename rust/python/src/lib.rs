@@ -10,22 +10,25 @@
 //! `dlpack` (DLPack capsules). This file holds the module's functions and its registration.
 
 mod arrays;
+mod calls;
 mod config;
 mod cycles;
 mod devarray;
 mod device;
 mod dispose;
 mod dlpack;
+mod errors;
 mod handler;
+mod panics;
 mod scope;
+mod threadstate;
 mod workspace;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rustws_core::{
-    AllocationPolicy, DebugMode, Error, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
-    Workspace,
+    AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy, Workspace,
 };
 
 use arrays::{direct_arrays_supported, ArrayFields, NPY_ARRAY_OWNDATA};
@@ -33,30 +36,8 @@ use config::{parse_size, validate_config};
 use devarray::DeviceArray;
 use device::DeviceBuffer;
 use dispose::DisposeStatistics;
+use errors::to_py;
 pub(crate) use workspace::WorkspaceCore;
-
-/// Raises the Python exception class `name` of `rustws._errors`.
-pub(crate) fn py_error(py: Python<'_>, name: &str, message: String) -> PyErr {
-    match py.import("rustws._errors").and_then(|m| m.getattr(name)) {
-        Ok(cls) => match cls.call1((message.clone(),)) {
-            Ok(inst) => PyErr::from_value(inst),
-            Err(e) => e,
-        },
-        Err(_) => pyo3::exceptions::PyRuntimeError::new_err(message),
-    }
-}
-
-/// One core error, one Python exception class.
-pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
-    let msg = e.to_string();
-    match e {
-        Error::InvalidConfig { .. } => PyValueError::new_err(msg),
-        Error::OutOfMemory { .. } | Error::SystemOutOfMemory { .. } => py_error(py, "WorkspaceOutOfMemory", msg),
-        Error::Destroyed { .. } => py_error(py, "WorkspaceClosedError", msg),
-        Error::NotOpen { .. } => py_error(py, "ScopeError", msg),
-        Error::Unavailable { .. } => py_error(py, "DeviceUnavailableError", msg),
-    }
-}
 
 /// `RUSTWS_DEBUG_MODE` as the core reads it (`None` when unset; `ValueError` when unknown).
 #[pyfunction]
@@ -91,6 +72,8 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("header_bytes", Workspace::header_bytes())?;
     d.set_item("profile", if cfg!(debug_assertions) { "debug" } else { "release" })?;
     d.set_item("cuda_backend", "cudarc driver API, loaded at run time (CUDA 12.8 bindings)")?;
+    // Whether scopes tell the context that opened them from copies of it (see `threadstate`).
+    d.set_item("scopes_follow_contexts", threadstate::knows_contexts())?;
     let names = |all: &[&'static str]| all.to_vec();
     d.set_item("allocation_policies", names(&AllocationPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;
     d.set_item("learning_policies", names(&LearningPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;
@@ -129,18 +112,7 @@ fn block_owner(py: Python<'_>, array: &Bound<'_, PyAny>) -> Option<u64> {
     }
     // SAFETY: a live array owns a strong reference to its handler.
     let handler = unsafe { Bound::from_borrowed_ptr(py, f.mem_handler) };
-    handler::served_by(&handler)?;
-    // SAFETY: a handler of ours handed out `data` (the array owns it and names the handler), so
-    // a live header of ours precedes it.
-    unsafe {
-        let h = rustws_core::arena::header_of(data).as_ptr();
-        match rustws_core::arena::live_kind(h)? {
-            rustws_core::BlockKind::Arena | rustws_core::BlockKind::External | rustws_core::BlockKind::Huge => {
-                Some((*h).owner)
-            }
-            _ => None,
-        }
-    }
+    handler::owner_of(&handler, data)
 }
 
 /// The handler serving NumPy here as the open scopes chose it (past closed scopes left on top
@@ -170,6 +142,14 @@ fn current_workspace(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
 
 #[pymodule]
 fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    // What raising an error, capturing and ending a cycle need is made now, not first where memory
+    // ran out.
+    panics::install_panic_hook();
+    calls::init(py)?;
+    errors::init(py)?;
+    threadstate::init(py)?;
+    handler::init_default_allocator(py)?;
     m.add_class::<WorkspaceCore>()?;
     m.add_class::<workspace::Stats>()?;
     m.add_class::<DeviceBuffer>()?;

@@ -31,7 +31,7 @@
 //! collector paused: no finaliser can change the stack between reading and writing it.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::PyResourceWarning;
@@ -39,6 +39,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
+use crate::errors;
 use crate::handler::{self, Capture, PyDataMemHandler, Shared};
 
 /// One open scope, shared by its node (and the nodes rebuilt for it) and its owner.
@@ -53,6 +54,13 @@ pub(crate) struct ScopeState {
     /// The asyncio task that opened it (its address), or 0 outside any running task: tasks of
     /// one thread that enter the same workspace run cycles of their own, not nested ones.
     task: usize,
+    /// The `contextvars.Context` it was (re)opened in (its address; 0: not known): capture stays
+    /// in it, not in copies of it (see `threadstate`).
+    context: AtomicUsize,
+    /// The Python frame that entered it (its address; 0: none): the one place, besides its own
+    /// thread, where an exit of it is its owner's (a generator or coroutine finalised on another
+    /// thread runs its exit in that frame).
+    frame: AtomicUsize,
 }
 
 impl ScopeState {
@@ -62,6 +70,8 @@ impl ScopeState {
             open: AtomicBool::new(true),
             cycle: AtomicBool::new(cycle),
             task,
+            context: AtomicUsize::new(0),
+            frame: AtomicUsize::new(caller_frame()),
         })
     }
 
@@ -69,14 +79,57 @@ impl ScopeState {
         self.cycle.load(Ordering::Relaxed)
     }
 
-    /// Open, and opened on this thread.
+    /// Open, and this is where it was opened: its thread, and its context (not a copy of it).
+    #[inline]
     pub fn is_here(&self) -> bool {
-        self.open.load(Ordering::Relaxed) && self.thread == thread_ident()
+        if !self.open.load(Ordering::Relaxed) || self.thread != thread_ident() {
+            return false;
+        }
+        let mine = self.context.load(Ordering::Relaxed);
+        mine == 0 || {
+            let now = crate::threadstate::current_context();
+            now == 0 || now == mine
+        }
+    }
+
+    /// Records the context it runs in now (after it was pushed or reopened: the push made sure
+    /// the thread has one).
+    pub fn mark_context(&self) {
+        self.context.store(crate::threadstate::current_context(), Ordering::Relaxed);
+    }
+
+    /// Whether the frame running now is the one that entered it.
+    pub fn entered_here(&self) -> bool {
+        let frame = self.frame.load(Ordering::Relaxed);
+        frame != 0 && frame == caller_frame()
     }
 
     /// Closes it; returns whether it was open.
     pub fn close(&self) -> bool {
         self.open.swap(false, Ordering::Relaxed)
+    }
+
+    /// Opens it again (the loop form's next iteration, a `with` reopening it in place), from the
+    /// frame running now.
+    pub fn reopen(&self, cycle: bool) {
+        self.cycle.store(cycle, Ordering::Relaxed);
+        self.frame.store(caller_frame(), Ordering::Relaxed);
+        self.open.store(true, Ordering::Relaxed);
+        self.mark_context();
+    }
+}
+
+/// The Python frame running on this thread (its address), or 0.
+pub(crate) fn caller_frame() -> usize {
+    // SAFETY: the GIL is held by every caller (scopes are entered and left from Python); the
+    // result is a borrowed frame, only compared by address. Making the frame object can fail for
+    // want of memory: then no frame is recorded and the error is cleared.
+    unsafe {
+        let f = ffi::PyEval_GetFrame();
+        if f.is_null() && !ffi::PyErr_Occurred().is_null() {
+            ffi::PyErr_Clear();
+        }
+        f as usize
     }
 }
 
@@ -107,19 +160,24 @@ struct NodeData {
 }
 
 unsafe extern "C" fn node_destructor(capsule: *mut ffi::PyObject) {
-    // SAFETY: called by Python (GIL held) with a node capsule; its context is the `NodeData` box
-    // `new_node` stored, released once here with the references it holds.
-    unsafe {
-        let ctx = ffi::PyCapsule_GetContext(capsule);
-        if ctx.is_null() {
-            ffi::PyErr_Clear();
-            return;
-        }
-        let data = Box::from_raw(ctx.cast::<NodeData>());
-        for obj in [data.owner, data.key, data.below, data.served] {
-            ffi::Py_DECREF(obj);
-        }
+    // SAFETY: called by Python (GIL held) with a node capsule.
+    let ctx = unsafe { ffi::PyCapsule_GetContext(capsule) };
+    if ctx.is_null() {
+        // SAFETY: as above; a destructor must not leave an exception behind.
+        unsafe { ffi::PyErr_Clear() };
+        return;
     }
+    // Nothing may unwind into the interpreter: a panic leaks what was left.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: the context is the `NodeData` box `new_node` stored, released once here with
+        // the references it holds.
+        unsafe {
+            let data = Box::from_raw(ctx.cast::<NodeData>());
+            for obj in [data.owner, data.key, data.below, data.served] {
+                ffi::Py_DECREF(obj);
+            }
+        }
+    }));
 }
 
 /// A node as read from the stack, borrowing its references from the (live) capsule.
@@ -417,15 +475,17 @@ pub fn push(
         below = next;
     }
     let node = match how {
-        Install::Keep => new_node(py, owner, key, &below, Lends::Handler(&below), false, state)?,
+        Install::Keep => new_node(py, owner, key, &below, Lends::Handler(&below), false, state.clone())?,
         Install::Default => {
-            new_node(py, owner, key, &below, Lends::Handler(handler::default_handler(py)?), true, state)?
+            new_node(py, owner, key, &below, Lends::Handler(handler::default_handler(py)?), true, state.clone())?
         }
         Install::Capture(shared, capsule) => {
-            new_node(py, owner, key, &below, Lends::Capture(shared, capsule), true, state)?
+            new_node(py, owner, key, &below, Lends::Capture(shared, capsule), true, state.clone())?
         }
     };
-    install(py, &node)
+    install(py, &node)?;
+    state.mark_context();
+    Ok(())
 }
 
 /// The handler that serves NumPy here as the open scopes chose it: NumPy's current one, past the
@@ -462,11 +522,19 @@ pub fn settle(py: Python<'_>) -> PyResult<()> {
     Ok(())
 }
 
-/// Whether NumPy's current handler here is the node of `state` (the loop form reopens it in
-/// place when nothing replaced it meanwhile).
-pub fn is_top(py: Python<'_>, state: &Arc<ScopeState>) -> PyResult<bool> {
-    let top = current_handler(py)?;
-    Ok(as_node(&top).is_some_and(|n| Arc::ptr_eq(&n.data.state, state)))
+/// Whether this context's stack holds the node of `state`, wherever it is: the loop form reopens
+/// it in place when nothing took it out meanwhile (another loop's scope may lie above it, when two
+/// loops over a workspace advance in turn).
+pub fn in_stack(py: Python<'_>, state: &Arc<ScopeState>) -> PyResult<bool> {
+    let mut cursor = current_handler(py)?;
+    while let Some(node) = as_node(&cursor) {
+        if Arc::ptr_eq(&node.data.state, state) {
+            return Ok(true);
+        }
+        let next = node.below();
+        cursor = next;
+    }
+    Ok(false)
 }
 
 /// Reopens the innermost node when it is a closed scope of the workspace `key` opened on this
@@ -492,8 +560,7 @@ pub fn reopen(
     {
         return Ok(None);
     }
-    state.cycle.store(cycle, Ordering::Relaxed);
-    state.open.store(true, Ordering::Relaxed);
+    state.reopen(cycle);
     Ok(Some(state.clone()))
 }
 
@@ -698,20 +765,33 @@ impl Scope {
         let me = slf.get();
         let owner = me.owner.bind(py);
         let what = || if owner.is_none() { describe(owner) } else { format!("borrow() of {}", describe(owner)) };
-        let state = me.open.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let task = current_task(py);
+        let (state, any_open) = {
+            let mut open = me.open.lock().unwrap_or_else(|e| e.into_inner());
+            // The innermost scope of this object opened here (this thread, task and context), else
+            // the one whose entering frame runs this exit (its owner, finalised elsewhere).
+            let i = open
+                .iter()
+                .rposition(|s| s.is_here() && s.task == task)
+                .or_else(|| open.iter().rposition(|s| s.entered_here()));
+            (i.map(|i| open.remove(i)), !open.is_empty())
+        };
         let Some(state) = state else {
-            return Err(crate::py_error(py, "ScopeError", format!("{} is not open (exited twice?)", what())));
+            let why = if any_open {
+                "exited on another thread or task than the one that entered it; nothing changed"
+            } else {
+                "is not open (exited twice?)"
+            };
+            return Err(errors::new(py, errors::Class::Scope, &format!("{} {why}", what())));
         };
         match pop(py, slf.as_any(), Some(&state))? {
             Popped::Innermost(_) => Ok(false),
             Popped::Unlinked(_, innermost) => warn_unlinked(py, &what(), &innermost).map(|()| false),
             Popped::NotHere => {
+                // Its owner's exit, run elsewhere: the scope closes, and its node, closed, is left
+                // for its own thread to drop.
                 state.close();
-                Err(crate::py_error(
-                    py,
-                    "ScopeError",
-                    format!("{} exited on another thread or task than the one that entered it; it was closed", what()),
-                ))
+                Ok(false)
             }
         }
     }

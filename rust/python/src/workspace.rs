@@ -14,11 +14,13 @@ use pyo3::types::PyDict;
 use rustws_core::cuda::{CudaMemory, PinnedHostMemory};
 use rustws_core::{Backend, DebugMode, Error, OpaqueMemory, Workspace};
 
+use crate::calls::{self, Arg};
 use crate::config::config_from_dict;
 use crate::devarray::{self, DeviceSide};
 use crate::device::{reclaim, Block, DeviceBuffer, Memory, Source};
+use crate::errors::{self, to_py};
 use crate::handler::{self, Shared};
-use crate::{arrays, cycles, py_error, scope, to_py};
+use crate::{arrays, cycles, scope};
 
 /// A snapshot of a workspace's statistics (`WorkspaceStats`' fields, by name).
 #[pyclass(frozen, get_all, module = "rustws._rustws")]
@@ -102,10 +104,16 @@ impl WorkspaceCore {
     }
 
     /// Opens a scope of this workspace in this thread's or task's stack: a cycle of its own, or
-    /// a level nested in this stack's open cycle.
-    pub(crate) fn enter_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>) -> PyResult<Arc<scope::ScopeState>> {
+    /// (`with ws:` inside an open `with ws:` here, `nests`) a level nested in this stack's open
+    /// cycle. The loop form always opens a cycle of its own: each iteration is one.
+    pub(crate) fn enter_scope(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        nests: bool,
+    ) -> PyResult<Arc<scope::ScopeState>> {
         let task = scope::current_task(py);
-        let nested = scope::is_open_here(py, me, task)?;
+        let nested = nests && scope::is_open_here(py, me, task)?;
         // The guard is dropped before any Python runs: building an exception can run the GC,
         // which may free this workspace's arrays and take the lock again.
         let entered = if nested { self.shared.lock().nest() } else { self.shared.lock().open_cycle() };
@@ -117,7 +125,7 @@ impl WorkspaceCore {
         };
         let installs = self.installs_handler();
         // The node the last `with` of this workspace left here, reopened in place; else a new one.
-        let reopened = scope::reopen(py, me, installs, !nested, task).map_err(undo)?;
+        let reopened = if nests { scope::reopen(py, me, installs, !nested, task).map_err(undo)? } else { None };
         let state = match reopened {
             Some(state) => state,
             None => {
@@ -131,12 +139,27 @@ impl WorkspaceCore {
                 state
             }
         };
-        self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).push(state.clone());
+        self.remember_scope(py, &state).map_err(undo)?;
         Ok(state)
     }
 
-    /// The loop form's end of an iteration: closes `state`'s cycle (or nested level) and leaves
-    /// its node in place for the next iteration.
+    /// Lists `state` among the open scopes (room first: none is a `MemoryError`, and nothing is
+    /// left half done).
+    fn remember_scope(&self, py: Python<'_>, state: &Arc<scope::ScopeState>) -> PyResult<()> {
+        let mut open = self.open_scopes.lock().unwrap_or_else(|e| e.into_inner());
+        if open.try_reserve(1).is_err() {
+            drop(open);
+            state.close();
+            // SAFETY: the GIL is held (`py`); sets Python's `MemoryError`.
+            unsafe { pyo3::ffi::PyErr_NoMemory() };
+            return Err(PyErr::fetch(py));
+        }
+        open.push(state.clone());
+        Ok(())
+    }
+
+    /// The loop form's end of an iteration: closes `state`'s cycle and leaves its node in place
+    /// for the next iteration.
     pub(crate) fn end_iteration(
         &self,
         py: Python<'_>,
@@ -166,22 +189,15 @@ impl WorkspaceCore {
         self.after_cycle(py, me, r, clean)
     }
 
-    /// The loop form's next iteration in the scope of `state`, reopened in place; false when its
-    /// node is no longer NumPy's current handler here (then a scope is entered anew).
-    pub(crate) fn begin_iteration(&self, py: Python<'_>, state: &scope::ScopeState, top: bool) -> PyResult<bool> {
-        if !top {
+    /// The loop form's next iteration in the scope of `state`, reopened in place (a cycle of its
+    /// own); false when its node is no longer in this stack (then a scope is entered anew).
+    pub(crate) fn begin_iteration(&self, py: Python<'_>, state: &scope::ScopeState, in_stack: bool) -> PyResult<bool> {
+        if !in_stack {
             return Ok(false);
         }
-        let opened = {
-            let mut ws = self.shared.lock();
-            if state.opened_cycle() {
-                ws.open_cycle()
-            } else {
-                ws.nest()
-            }
-        };
+        let opened = self.shared.lock().open_cycle();
         opened.map_err(|e| to_py(py, e))?;
-        state.open.store(true, Ordering::Relaxed);
+        state.reopen(true);
         Ok(true)
     }
 
@@ -198,43 +214,80 @@ impl WorkspaceCore {
         r: rustws_core::CycleReport,
         clean: bool,
     ) -> PyResult<()> {
-        let _ = py;
         let failures = self.shared.has_failures.load(Ordering::Relaxed);
         let leaked = r.completed && r.escaped_blocks > 0 && self.cycle_detector;
         if failures || leaked {
-            me.call_method1("_after_cycle", (leaked && clean, r.escaped_blocks, r.escaped_bytes))?;
+            let names = calls::names(py)?;
+            let args = [Arg::Bool(leaked && clean), Arg::Int(r.escaped_blocks), Arg::Int(r.escaped_bytes)];
+            calls::call_method(me, &names.after_cycle, &args)?;
         }
         Ok(())
     }
 
-    /// Closes this workspace's innermost scope in this stack (see `__exit__`).
+    /// Closes this workspace's innermost scope here (see `__exit__`).
     pub(crate) fn exit_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>, clean: bool) -> PyResult<()> {
-        let (state, unlinked, elsewhere) = match scope::pop(py, me, None)? {
-            scope::Popped::Innermost(state) => (state, None, false),
-            scope::Popped::Unlinked(state, innermost) => (state, Some(innermost), false),
+        match scope::pop(py, me, None)? {
+            scope::Popped::Innermost(state) => self.exit_level(py, me, &state, None, clean),
+            scope::Popped::Unlinked(state, innermost) => self.exit_level(py, me, &state, Some(innermost), clean),
             scope::Popped::NotHere => {
-                // Not in this stack: the most recent scope of this workspace still open closes.
-                let last = self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).last().cloned();
-                let Some(state) = last else {
-                    let what = scope::describe(me);
-                    return Err(py_error(py, "ScopeError", format!("{what} is not open (exited twice?)")));
+                // Not in this stack. The scope whose entering frame runs this exit is its owner's
+                // (a generator or coroutine finalised on another thread or outside its task): it
+                // closes. Any other exit from elsewhere changes nothing.
+                let (owned, any_open) = {
+                    let open = self.open_scopes.lock().unwrap_or_else(|e| e.into_inner());
+                    (open.iter().rev().find(|s| s.entered_here()).cloned(), !open.is_empty())
                 };
-                state.close();
-                (state, None, true)
+                let what = scope::describe(me);
+                match owned {
+                    Some(state) => {
+                        state.close();
+                        self.exit_level(py, me, &state, None, clean)
+                    }
+                    None if any_open => Err(errors::new(
+                        py,
+                        errors::Class::Scope,
+                        &format!(
+                            "{what} exited on another thread or task than the one that entered it; nothing changed"
+                        ),
+                    )),
+                    None => Err(errors::new(py, errors::Class::Scope, &format!("{what} is not open (exited twice?)"))),
+                }
             }
-        };
-        self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| !Arc::ptr_eq(s, &state));
-        self.end_level(py, me, &state, clean)?;
-        if elsewhere {
-            let what = scope::describe(me);
-            let whence = if state.thread != scope::thread_ident() { "another thread" } else { "another task" };
-            return Err(py_error(
-                py,
-                "ScopeError",
-                format!("{what} exited in {whence} than the one that entered it; its scope was closed"),
-            ));
         }
-        if let Some(innermost) = unlinked {
+    }
+
+    /// The loop form leaves the scope of `state`, wherever it runs (its iterator dropped on another
+    /// thread closes it all the same).
+    pub(crate) fn exit_state(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        state: &Arc<scope::ScopeState>,
+        clean: bool,
+    ) -> PyResult<()> {
+        match scope::pop(py, me, Some(state))? {
+            scope::Popped::Innermost(_) => self.exit_level(py, me, state, None, clean),
+            scope::Popped::Unlinked(_, innermost) => self.exit_level(py, me, state, Some(innermost), clean),
+            scope::Popped::NotHere => {
+                state.close();
+                self.exit_level(py, me, state, None, clean)
+            }
+        }
+    }
+
+    /// After a scope left the stack: it leaves the open scopes, its level ends, and an exit out
+    /// of order warns.
+    fn exit_level(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        state: &Arc<scope::ScopeState>,
+        unlinked_under: Option<String>,
+        clean: bool,
+    ) -> PyResult<()> {
+        self.forget_scope(state);
+        self.end_level(py, me, state, clean)?;
+        if let Some(innermost) = unlinked_under {
             scope::warn_unlinked(py, &scope::describe(me), &innermost)?;
         }
         Ok(())
@@ -399,7 +452,9 @@ impl WorkspaceCore {
     /// Free and total bytes of this workspace's CUDA device (None for other memory).
     fn device_memory_info(&self, py: Python<'_>) -> PyResult<Option<(usize, usize)>> {
         match &self.memory.cuda {
-            Some(c) => c.memory_info().map(Some).map_err(|e| to_py(py, Error::Unavailable { what: e })),
+            Some(c) => {
+                c.memory_info().map(Some).map_err(|e| to_py(py, Error::device("cannot read the device's memory", e)))
+            }
             None => Ok(None),
         }
     }
@@ -453,7 +508,7 @@ impl WorkspaceCore {
     /// this thread and task it nests; beside one of another task or thread, it is a cycle of its
     /// own.
     fn __enter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
-        slf.get().enter_scope(slf.py(), slf.as_any())?;
+        slf.get().enter_scope(slf.py(), slf.as_any(), true)?;
         Ok(slf.clone())
     }
 
@@ -486,9 +541,9 @@ impl WorkspaceCore {
         Stats::from(self.shared.lock().stats())
     }
 
-    /// Messages of requests refused since the last call.
-    fn _drain_failures(&self) -> Vec<String> {
-        self.shared.drain_failures()
+    /// The errors of requests refused since the last call, as they would have been raised.
+    fn _drain_failures(&self, py: Python<'_>) -> Vec<Py<PyAny>> {
+        self.shared.drain_failures().into_iter().map(|e| to_py(py, e).into_value(py).into_any()).collect()
     }
 
     /// Opens (or nests) a cycle without making the workspace current: for a workspace that

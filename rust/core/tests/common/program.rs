@@ -3,8 +3,8 @@
 //! classes, cycle ends with and without escapes, nested levels, overlapping cycles, destroy),
 //! applied to a workspace and mirrored in a list of live blocks whose contents are known. After
 //! every step [`Program::check`] proves that live blocks do not overlap, stay aligned and inside
-//! their region, keep their contents, read zero where they were handed out zeroed, and that the
-//! statistics match what the model computes.
+//! their region, keep their contents, read zero where they were handed out zeroed, that the
+//! statistics match what the model computes, and that the footprint is within `max_size`.
 
 #![allow(dead_code)]
 
@@ -220,6 +220,8 @@ impl Program {
             assert!(pair[0].1 <= pair[1].0, "{ctx}: live blocks overlap: {pair:?}");
         }
         w.verify();
+        let max = w.config().max_size as usize;
+        assert!(max == 0 || w.footprint() <= max, "{ctx}: footprint {} past max_size {max}", w.footprint());
         let s = w.stats();
         assert_eq!(s.used_bytes + s.cached_bytes + s.overhead_bytes, s.capacity_bytes, "{ctx}: capacity identity");
         if self.exact {
