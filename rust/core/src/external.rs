@@ -70,7 +70,8 @@ pub(crate) struct OwnBlocks {
     /// The token of the workspace the blocks belong to.
     owner: u64,
     table: Table,
-    cache: BlockCache,
+    /// Kilobytes of lists: boxed, so that a workspace is small where it is shared.
+    cache: Box<BlockCache>,
     pub peaks: ExternalPeaks,
 }
 
@@ -141,21 +142,24 @@ impl Drop for OwnBlocks {
 }
 
 impl OwnBlocks {
-    pub fn new(backend: Arc<dyn Backend>, upstream: Arc<dyn Backend>, owner: u64) -> Self {
-        OwnBlocks {
+    /// The blocks of the workspace `owner`; `Err` when the system has no room for their lists.
+    pub fn new(backend: Arc<dyn Backend>, upstream: Arc<dyn Backend>, owner: u64) -> Result<Self, BackendError> {
+        let cache = try_box(BlockCache {
+            heads: [std::ptr::null_mut(); CLASSES],
+            nonempty: ClassSet::default(),
+            used: [0; CLASSES],
+            bytes: 0,
+        })
+        .ok_or(BackendError::os("make a workspace", std::mem::size_of::<BlockCache>(), libc::ENOMEM))?;
+        Ok(OwnBlocks {
             inline: backend.host_accessible(),
             owner,
             backend,
             upstream,
             table: Table::default(),
-            cache: BlockCache {
-                heads: [std::ptr::null_mut(); CLASSES],
-                nonempty: ClassSet::default(),
-                used: [0; CLASSES],
-                bytes: 0,
-            },
+            cache,
             peaks: ExternalPeaks::default(),
-        }
+        })
     }
 
     /// The source of blocks of `kind`.

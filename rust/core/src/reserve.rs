@@ -2,7 +2,7 @@
 //! emergency reserve for the moment the system refuses. Rust ends the process when an allocation
 //! fails; a library that runs where memory is exhausted by design (that is when a workspace must
 //! say so) cannot let the few small allocations on the way to that error (an error's state, a
-//! message, a panic's payload) end it. They are served from the reserve instead (256 KiB in the
+//! message, a panic's payload) end it. They are served from the reserve instead (1 MiB in the
 //! binary's zero-initialised data: address space the process holds from its start), and the
 //! reserve is refilled as they are freed. Larger requests, or a reserve in use up, still fail as
 //! before. The Python extension installs it as its `#[global_allocator]`.
@@ -12,7 +12,7 @@ use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Bytes of the reserve.
-const RESERVE: usize = 256 << 10;
+const RESERVE: usize = 1 << 20;
 /// Chunks are powers of two from `1 << MIN_SHIFT` to `1 << MAX_SHIFT` bytes.
 const MIN_SHIFT: usize = 4;
 const MAX_SHIFT: usize = 14;
@@ -51,7 +51,9 @@ static RESERVE_POOL: Reserve = Reserve {
     served: AtomicUsize::new(0),
 };
 
-/// Chunks of the reserve served so far (for tests and diagnostics).
+/// Chunks of the reserve served so far. A caller that makes objects that live on (a workspace)
+/// compares it before and after: objects made while the system refused do not keep the reserve,
+/// which is for the allocations on the way to an error.
 pub fn served() -> usize {
     RESERVE_POOL.served.load(Ordering::Relaxed)
 }

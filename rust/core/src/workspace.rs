@@ -191,13 +191,18 @@ impl Workspace {
         let max = if config.max_size > 0 { config.max_size as usize } else { usize::MAX };
         let limit = Arc::new(LimitAdaptor::new(backend.clone(), max));
         let token = NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let own = OwnBlocks::new(limit.clone(), backend.clone(), token).map_err(|cause| Error::SystemOutOfMemory {
+            workspace: Name::from(name),
+            requested: cause.bytes as u64,
+            cause,
+        })?;
         let mut ws = Workspace {
             name: Name::from(name),
             token,
             route: Route::new(&config, debug, &*backend),
             learner: CycleLearner::new(&config),
             config,
-            own: OwnBlocks::new(limit.clone(), backend.clone(), token),
+            own,
             upstream: backend,
             limit,
             regions: Regions::new(),

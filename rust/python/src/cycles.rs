@@ -127,8 +127,14 @@ impl Drop for Cycles {
             // SAFETY: a pyclass is dropped by its type's deallocator, with the GIL held, on whatever
             // thread drops the last reference.
             let py = unsafe { Python::assume_attached() };
+            // A loop left by an exception drops its iterator while that exception propagates:
+            // the cycle's end runs Python (reports), which must not take the exception's place.
+            let propagating = PyErr::take(py);
             if let Err(e) = self.leave(py, false) {
                 e.write_unraisable(py, None);
+            }
+            if let Some(e) = propagating {
+                e.restore(py);
             }
         }
     }

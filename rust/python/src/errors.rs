@@ -127,6 +127,13 @@ fn describe<'py>(py: Python<'py>, e: &BackendError) -> PyResult<Bound<'py, PyAny
     )
 }
 
+/// Python's `MemoryError` (a preallocated instance: raising it needs no memory).
+pub(crate) fn no_memory(py: Python<'_>) -> PyErr {
+    // SAFETY: the GIL is held (`py`); sets Python's `MemoryError`.
+    unsafe { pyo3::ffi::PyErr_NoMemory() };
+    PyErr::fetch(py)
+}
+
 /// A new exception of `class` with `message`.
 pub(crate) fn new(py: Python<'_>, class: Class, message: &str) -> PyErr {
     let made = errors(py).and_then(|f| {

@@ -74,6 +74,10 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("cuda_backend", "cudarc driver API, loaded at run time (CUDA 12.8 bindings)")?;
     // Whether scopes tell the context that opened them from copies of it (see `threadstate`).
     d.set_item("scopes_follow_contexts", threadstate::knows_contexts())?;
+    // The emergency reserve of the allocator (see `panics`): allocations it served while the system
+    // refused, and bytes of it in use now.
+    d.set_item("reserve_served", rustws_core::reserve::served())?;
+    d.set_item("reserve_in_use", rustws_core::reserve::in_use())?;
     let names = |all: &[&'static str]| all.to_vec();
     d.set_item("allocation_policies", names(&AllocationPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;
     d.set_item("learning_policies", names(&LearningPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;

@@ -60,6 +60,22 @@ impl From<rustws_core::WorkspaceStats> for Stats {
 /// `rustws.Workspace`, which adds the context-manager protocol.
 #[pyclass(subclass, frozen, module = "rustws._rustws")]
 pub(crate) struct WorkspaceCore {
+    /// Always there once the object is made. When Python cannot make a subclass's instance
+    /// dictionary (out of memory), it deallocates the object before PyO3 has written this: the
+    /// object's memory is zero-filled, which reads as `None`, so that drop is harmless.
+    state: Option<Box<CoreState>>,
+}
+
+impl std::ops::Deref for WorkspaceCore {
+    type Target = CoreState;
+
+    fn deref(&self) -> &CoreState {
+        self.state.as_deref().expect("a workspace is made before it is used")
+    }
+}
+
+/// What a [`WorkspaceCore`] holds.
+pub(crate) struct CoreState {
     pub(crate) shared: Arc<Shared>,
     pub(crate) capsule: Py<PyAny>,
     /// Debug mode BYPASS_EVERYTHING: arrays come from NumPy's default allocator.
@@ -150,9 +166,7 @@ impl WorkspaceCore {
         if open.try_reserve(1).is_err() {
             drop(open);
             state.close();
-            // SAFETY: the GIL is held (`py`); sets Python's `MemoryError`.
-            unsafe { pyo3::ffi::PyErr_NoMemory() };
-            return Err(PyErr::fetch(py));
+            return Err(errors::no_memory(py));
         }
         open.push(state.clone());
         Ok(())
@@ -314,7 +328,9 @@ impl Drop for WorkspaceCore {
     /// local): nothing can open a cycle any more, so the workspace is destroyed and its memory
     /// returned but for the pages under arrays still alive, which go as those arrays die.
     fn drop(&mut self) {
-        self.shared.destroy();
+        if let Some(state) = &self.state {
+            state.shared.destroy();
+        }
     }
 }
 
@@ -327,6 +343,10 @@ impl WorkspaceCore {
     #[new]
     #[pyo3(signature = (name, config, backend=None))]
     fn new(py: Python<'_>, name: &str, config: &Bound<'_, PyDict>, backend: Option<&str>) -> PyResult<Self> {
+        // What a workspace keeps (its state, its handler, its tables) lives on: it is made from
+        // memory the system serves, never from the allocator's emergency reserve (which is for the
+        // allocations on the way to an error, and would run out if workspaces kept it).
+        let reserve = rustws_core::reserve::served();
         // A value of RUSTWS_DEBUG_MODE that names no mode must not silently leave workspaces on.
         DebugMode::env_override().map_err(|e| to_py(py, e))?;
         let c = config_from_dict(config)?;
@@ -363,7 +383,7 @@ impl WorkspaceCore {
         let shared = Arc::new(Shared::new(ws));
         let capsule = handler::new_capsule(py, &shared)?;
         let memory = source.into_memory(shared.clone());
-        Ok(WorkspaceCore {
+        let state = Box::new(CoreState {
             shared,
             capsule,
             bypass,
@@ -371,7 +391,11 @@ impl WorkspaceCore {
             memory,
             device: std::sync::OnceLock::new(),
             open_scopes: std::sync::Mutex::new(Vec::new()),
-        })
+        });
+        if rustws_core::reserve::served() != reserve {
+            return Err(errors::no_memory(py)); // what was made goes back as it drops
+        }
+        Ok(WorkspaceCore { state: Some(state) })
     }
 
     /// The workspace's name.

@@ -1,0 +1,176 @@
+"""Running out of memory is an exception, never a crash. Every way into a workspace runs in a child
+process under an address-space limit (``RLIMIT_AS``), at 8 limits each, on the main thread and on
+a thread that meets rustws for the first time under the limit, until something is refused:
+what is refused must be a clean ``MemoryError`` (a ``WorkspaceOutOfMemory`` or NumPy's own), and once
+the limit is lifted the process goes on, its workspace serving cycles as before. Plain NumPy raises
+``MemoryError`` at every limit; so must NumPy under rustws."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CHILD = textwrap.dedent(
+    r"""
+    import contextvars, resource, sys, threading
+    from concurrent.futures import ThreadPoolExecutor
+    import numpy as np
+    import rustws
+
+    kind, extra, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    ws = rustws.workspace("X")
+    proto = np.arange(1000.0)
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+
+    if kind == "explicit":
+        makers = [
+            lambda i: ws.empty(100 + 4000 * i),
+            lambda i: ws.zeros((10, 10 + i), np.float32),
+            lambda i: ws.full(300 + i, 7.0),
+            lambda i: ws.ones(3 + 500 * i, np.int16),
+            lambda i: ws.empty_like(proto),
+            lambda i: ws.asarray([1.0, 2.0, float(i)]),
+        ]
+
+        def step(i, keep):
+            keep.append(makers[i % len(makers)](i))
+
+    elif kind == "captured":
+
+        def step(i, keep):
+            with ws:
+                a = np.ones(200 + 900 * i)
+                keep.append(a)
+                keep.append(np.concatenate([a, a[:10]]))
+
+    elif kind == "resize":
+
+        def step(i, keep):
+            with ws:
+                a = np.ones(2000)
+                a.resize(2000 + 3000 * i, refcheck=False)
+                keep.append(a)
+
+    elif kind == "cycle":
+
+        def step(i, keep):
+            with ws:
+                keep.append(np.empty(2048))
+
+    elif kind == "workspace":
+
+        def step(i, keep):
+            keep.append(rustws.workspace(f"W{i}"))
+
+    elif kind == "loop":
+
+        def step(i, keep):
+            for _ in ws.cycles(range(3)):
+                keep.append(np.ones(700 + 300 * i))
+
+    elif kind == "decorator":
+
+        @rustws.cycle("D")
+        def work(i):
+            return np.ones(500 + 500 * i)
+
+        def step(i, keep):
+            keep.append(work(i))
+
+    elif kind == "task":
+        from rustws.dask import _CycleThreadPoolExecutor
+        from rustws._cycle import _ThreadWorkspace
+
+        pool = _CycleThreadPoolExecutor(ThreadPoolExecutor(1), _ThreadWorkspace("TASK", None))
+        pool.submit(int).result()  # the thread exists before the limit
+
+        def step(i, keep):
+            ctx = contextvars.copy_context()  # as distributed runs a task
+            keep.append(pool.submit(lambda: ctx.run(np.ones, 400 + 600 * i)).result())
+
+    else:
+        raise SystemExit(f"unknown kind {kind}")
+
+    keep = []
+    step(0, keep)  # every path runs once before the limit, on the main thread
+    outcome = []
+
+    def until_refused():
+        try:
+            for i in range(1, 200_000):
+                step(i, keep)
+        except MemoryError as e:
+            outcome.append(type(e).__name__)
+
+    # On a thread of its own, the first refusal is also the first time that thread meets rustws.
+    go = threading.Event()
+    worker = None
+    if where == "thread":
+        worker = threading.Thread(target=lambda: (go.wait(), until_refused()))
+        worker.start()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (status("VmSize:") + extra, hard))
+    try:
+        if worker is None:
+            until_refused()
+        else:
+            go.set()
+            worker.join()
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    refused = outcome[0] if outcome else None
+    del keep
+    # The process goes on: the same workspace serves cycles, and its arrays hold what was written.
+    for k in range(3):
+        with ws:
+            a = np.arange(50_000.0) * 2
+            assert a[-1] == 99_998.0
+            b = ws.empty(10_000)
+            b[:] = k
+            assert float(b.sum()) == 10_000.0 * k
+    print("RESULT", refused)
+    """
+)
+
+KINDS = ["explicit", "captured", "resize", "cycle", "workspace", "loop", "decorator", "task"]
+# Address space left above what the child holds when the limit is set: from 128 KiB, where
+# nearly every allocation of the next step can fail, to 8 MiB.
+EXTRAS = [128 << 10, 256 << 10, 512 << 10, 768 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
+
+
+def run(kind: str, extra: int, where: str) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, kind, str(extra), where],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_entry_point_refuses_with_memory_error_and_goes_on(kind, where):
+    if kind == "task":
+        pytest.importorskip("distributed", reason="the Dask plugin's task needs dask's distributed")
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda extra: (extra, *run(kind, extra, where)), EXTRAS))
+    failures = []
+    for extra, rc, out in results:
+        if rc != 0 or "RESULT MemoryError" not in out and "RESULT WorkspaceOutOfMemory" not in out:
+            failures.append(f"{extra >> 10} KiB: exit {rc}: {out[-600:]}")
+    assert not failures, f"{kind}: " + "\n".join(failures)
