@@ -175,16 +175,21 @@ def test_resizes_keep_a_block_with_the_handler_that_served_it(below):
 
 def test_other_threads_and_a_closed_scope_are_served_below(below):
     ws = rustws.workspace("ELSEWHERE", WorkspaceConfiguration(initial_size="4MiB"))
+    elsewhere: list[np.ndarray] = []
+
+    def other_thread() -> None:
+        elsewhere.append(np.ones(20_000))
+
     with ws:
-        out = []
-        t = threading.Thread(target=lambda: out.append(np.ones(20_000)))
+        t = threading.Thread(target=other_thread)
         t.start()
         t.join()
         mine = np.ones(20_000)
     after = np.ones(20_000)  # the closed scope is still in place: it hands this below
-    assert rustws.owner(mine) is ws and rustws.owner(out[0]) is None and rustws.owner(after) is None
-    fill_and_check([out[0], mine, after])
+    assert rustws.owner(mine) is ws and rustws.owner(elsewhere[0]) is None and rustws.owner(after) is None
+    fill_and_check([elsewhere[0], mine, after])
     below.check_all()
-    del out, mine, after
+    elsewhere.clear()
+    del mine, after
     gc.collect()
     assert not below.live
