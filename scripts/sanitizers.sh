@@ -2,11 +2,16 @@
 # The core under the checkers, as CI runs it:
 #   - Miri (nightly; its component is installed when missing) over the core's unit tests, the
 #     allocator programs and failure injection (property tests, with RUSTWS_PROPTEST_CASES cases,
-#     3 by default: a case costs minutes under Miri) and the conformance tests that fit its speed,
-#     all through the arena and workspace code, without the CUDA feature (Miri loads no driver);
-#   - AddressSanitizer, with LeakSanitizer, over every test of the core (the CUDA backends over the
-#     driver stand-in included, property tests at their full case counts), on the stable toolchain;
-#   - ThreadSanitizer over the same tests, with the standard library rebuilt instrumented (nightly).
+#     3 by default: a case costs minutes under Miri), the limit and double-free tests, frees from
+#     other threads, and the conformance and adaptive tests, at the sizes `miri_or` gives them
+#     under Miri; all through the arena and workspace code, without the CUDA feature (Miri loads no
+#     driver);
+#   - AddressSanitizer, with LeakSanitizer and its quarantine, over every test of the core (the
+#     CUDA backends over the driver stand-in included, property tests at their full case counts), on
+#     the stable toolchain, built with `--cfg rustws_asan`: free arena blocks, cached blocks and
+#     cached huge mappings are poisoned, and tests/poison.rs checks that reading them is reported;
+#   - ThreadSanitizer over the same tests (tests/threads.rs frees from other threads while the owner
+#     allocates and closes cycles), with the standard library rebuilt instrumented (nightly).
 # A checker that cannot be installed or run here is skipped with the reason; one that runs and
 # finds an error fails the script.
 set -euo pipefail
@@ -15,12 +20,8 @@ step() { printf '\n==> %s\n' "$*"; }
 skip() { printf 'skipped: %s\n' "$*"; }
 
 # -- Miri --------------------------------------------------------------------------------------------
-# The conformance tests whose workloads Miri runs in seconds (the others move tens of MiB per test).
-MIRI_CONFORMANCE=(
-    a_refusing_backend allocation_policies debug_spill destroying_with_live frees_from_another_thread
-    helper_min_size host_transfers max_size_bounds nested_cycles over_time_learns realloc_keeps
-    requests_near_usize_max spill_fail spill_reallocate
-)
+# Every conformance test but the one over a named file (Miri maps no files).
+MIRI_CONFORMANCE_SKIP=(a_named_mmap_file)
 
 miri_available() {
     if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
@@ -39,10 +40,12 @@ miri_available() {
 step "miri: unit tests, allocator programs, failure injection, conformance"
 if miri_available; then
     export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
+    export RUSTWS_PROPTEST_CASES="${RUSTWS_MIRI_CASES:-3}"
     miri() { cargo +nightly miri test -p rustws-core --no-default-features --quiet "$@"; }
     miri --lib
-    RUSTWS_PROPTEST_CASES="${RUSTWS_MIRI_CASES:-3}" miri --test programs --test faults
-    miri --test conformance -- "${MIRI_CONFORMANCE[@]}"
+    miri --test programs --test faults --test limit --test threads
+    miri --test conformance -- $(printf -- '--skip %s ' "${MIRI_CONFORMANCE_SKIP[@]}")
+    miri --test adaptive
 else
     echo "checking that the core still builds under cfg(miri) (its shims for madvise, sysconf, mmap)"
     RUSTFLAGS="--cfg miri" cargo check -p rustws-core --lib --tests --no-default-features --quiet \
@@ -60,11 +63,12 @@ elif ! why=$(echo 'fn main() {}' | RUSTC_BOOTSTRAP=1 rustc -Zsanitizer=address -
     skip "this toolchain cannot build with -Zsanitizer=address: $(echo "$why" | head -3)"
 else
     # allocator_may_return_null: tests check that requests no address space holds are refused, as
-    # the system allocator refuses them (ASan would abort instead).
+    # the system allocator refuses them (ASan would abort instead). The quarantine stays on: freed
+    # C-heap blocks are not handed out again at once, so a use after free is caught.
     echo "not under ASan: the residency tests, which measure the process's resident size (ASan's"
     echo "shadow memory and allocator caches are part of it); they run in the plain test run"
-    ASAN_OPTIONS="quarantine_size_mb=0:allocator_release_to_os_interval_ms=0:allocator_may_return_null=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}" \
-        RUSTC_BOOTSTRAP=1 RUSTFLAGS="-Zsanitizer=address" \
+    ASAN_OPTIONS="allocator_may_return_null=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}" \
+        RUSTC_BOOTSTRAP=1 RUSTFLAGS="-Zsanitizer=address --cfg rustws_asan" \
         cargo test -p rustws-core --lib --tests --target "$host" --target-dir target/asan --quiet -- \
         --skip a_retired_region_keeps_only_pages_under_live_blocks \
         --skip a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena \

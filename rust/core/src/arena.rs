@@ -218,16 +218,22 @@ pub unsafe fn write_live_header(
 pub unsafe fn live_kind(h: *const BlockHeader) -> Option<BlockKind> {
     // SAFETY: the caller's guarantee; both fields are read as plain integers.
     let (magic, kind) = unsafe { (addr_of!((*h).magic).read(), addr_of!((*h).kind).cast::<u8>().read()) };
-    if magic != MAGIC_LIVE {
+    if magic != MAGIC_LIVE || !(BlockKind::Arena as u8..=BlockKind::Foreign as u8).contains(&kind) {
         return None;
     }
-    match kind {
-        1 => Some(BlockKind::Arena),
-        2 => Some(BlockKind::External),
-        3 => Some(BlockKind::Bypass),
-        4 => Some(BlockKind::Huge),
-        5 => Some(BlockKind::Foreign),
-        _ => None,
+    // SAFETY: `BlockKind` is `repr(u8)` with the values from `Arena` to `Foreign`, checked above.
+    Some(unsafe { std::mem::transmute::<u8, BlockKind>(kind) })
+}
+
+/// Whether the header at `h` is that of a live arena block (the free path's one question).
+///
+/// # Safety
+/// As for [`live_kind`].
+#[inline(always)]
+pub unsafe fn is_live_arena(h: *const BlockHeader) -> bool {
+    // SAFETY: the caller's guarantee; both fields are read as plain integers.
+    unsafe {
+        addr_of!((*h).magic).read() == MAGIC_LIVE && addr_of!((*h).kind).cast::<u8>().read() == BlockKind::Arena as u8
     }
 }
 
@@ -394,10 +400,11 @@ impl ArenaRegion {
 
     /// The offset of the header of a block whose data would start at `p`: None unless `p` lies
     /// in this region with room for a header in front of it, on a block boundary.
-    #[inline]
+    #[inline(always)]
     pub fn header_offset(&self, p: NonNull<u8>) -> Option<usize> {
-        let at = (p.as_ptr() as usize).checked_sub(self.data.as_ptr() as usize)?;
-        (at >= HEADER && at < self.capacity && at % BLOCK_ALIGN == 0).then(|| at - HEADER)
+        // One comparison for both bounds: below `data + HEADER` wraps to a huge offset.
+        let off = (p.as_ptr() as usize).wrapping_sub(self.data.as_ptr() as usize).wrapping_sub(HEADER);
+        (off < self.capacity - HEADER && off % BLOCK_ALIGN == 0).then_some(off)
     }
 
     /// The base address of the region's block memory.
@@ -408,7 +415,7 @@ impl ArenaRegion {
     /// Where the header of a block whose data starts at `p` lies, when `p` is on a block
     /// boundary of this region with room for a header in front of it: memory this region maps,
     /// readable whatever it holds (a live header, a free one, or a live block's data).
-    #[inline]
+    #[inline(always)]
     pub fn header_at_data(&self, p: NonNull<u8>) -> Option<NonNull<BlockHeader>> {
         let off = self.header_offset(p)?;
         // SAFETY: `off < capacity`, inside the header mapping.

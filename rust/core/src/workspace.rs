@@ -26,7 +26,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::accounts::{Accounts, CycleReport, WorkspaceStats};
-use crate::arena::{live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
+use crate::arena::{is_live_arena, live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
 use crate::backend::{available_memory, round_to_page, AnonymousMemory, Backend, FileMappedMemory, LimitAdaptor};
 use crate::backend::{page_bytes, BLOCK_ALIGN};
 use crate::classes::{class_of, class_size};
@@ -80,6 +80,9 @@ struct Route {
     caches: bool,
     /// Whether free lists serve (a region that rewinds at cycle ends).
     lists: bool,
+    /// Whether the CPU can touch the memory (headers sit in front of their blocks; fresh memory
+    /// reads as zero).
+    host: bool,
 }
 
 impl Route {
@@ -96,6 +99,7 @@ impl Route {
             huge: plain && backend.host_accessible() && config.policy_location == LocationPolicy::Ram,
             caches: plain && !always,
             lists: config.policy_reset == ResetPolicy::BlockLeft,
+            host: backend.host_accessible(),
         }
     }
 }
@@ -638,7 +642,7 @@ impl Workspace {
         let (Some(padded), Some(exact)) = (padded, Request::new(size, false)) else {
             return Err(self.refuse(size, "request too large"));
         };
-        if pad == 0 || self.upstream.host_accessible() || self.upstream.block_align() < align {
+        if pad == 0 || self.route.host || self.upstream.block_align() < align {
             return self.climb(padded);
         }
         // Blocks outside the arena come from the driver, aligned: only arena blocks are padded.
@@ -653,7 +657,7 @@ impl Workspace {
     /// Rung 1: a block from the current region, if it has one.
     #[inline(always)]
     fn carve_arena(&mut self, req: Request) -> Option<NonNull<u8>> {
-        let inline = self.upstream.host_accessible();
+        let inline = self.route.host;
         let region = self.regions.current_mut()?;
         let (p, slot, off) = region.take(req.class, req.slot, req.size, self.cycles.epoch)?;
         // Host memory is zero-filled when mapped: never-carved memory needs no write.
@@ -814,7 +818,7 @@ impl Workspace {
     /// # Safety
     /// `p` was returned by `alloc`, `alloc_zeroed`, `alloc_aligned`, `alloc_unaccounted` or
     /// `realloc` of this workspace, and is not used after this call.
-    #[inline]
+    #[inline(always)]
     pub unsafe fn free(&mut self, p: NonNull<u8>) {
         // SAFETY: forwarded.
         if !unsafe { self.free_if_ours(p) } {
@@ -829,7 +833,7 @@ impl Workspace {
     /// # Safety
     /// `p` starts a block of this workspace or of another allocator (not an address inside a
     /// block of this workspace); if it is a live block of this workspace, the caller gives it up.
-    #[inline]
+    #[inline(always)]
     pub unsafe fn free_if_ours(&mut self, p: NonNull<u8>) -> bool {
         let epoch = self.cycles.epoch;
         let token = self.token;
@@ -838,7 +842,7 @@ impl Workspace {
             if let Some(hp) = r.header_at_data(p) {
                 // SAFETY: a header spot of the current region: mapped memory; a free header, or
                 // bytes that are no header, fail the magic check before anything else is read.
-                if unsafe { live_kind(hp.as_ptr()) } == Some(BlockKind::Arena) {
+                if unsafe { is_live_arena(hp.as_ptr()) } {
                     let (owner, generation, region, slot, requested) = {
                         // SAFETY: a live header (written by us); the borrow ends in this block.
                         let h = unsafe { hp.as_ref() };

@@ -9,7 +9,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::{backends, fill, intact};
+use common::{backends, fill, intact, miri_or};
 use rustws_core::*;
 
 const KIB: usize = 1 << 10;
@@ -92,7 +92,7 @@ fn body(w: &mut Workspace, n: usize, size: usize) {
     let mut prev: Option<NonNull<u8>> = None;
     for i in 0..n {
         let p = w.alloc(size).unwrap();
-        fill(p.as_ptr(), size.min(4096), i as u8);
+        fill(p.as_ptr(), size.min(miri_or(4096, 256)), i as u8);
         if let Some(q) = prev.replace(p) {
             // SAFETY: live, freed once.
             unsafe { w.free(q) };
@@ -200,33 +200,35 @@ fn zeroed_requests_from_never_used_memory_are_not_written() {
             ..Default::default()
         };
         let mut w = Workspace::with_backend("Z", c, backend).unwrap();
+        // Under Miri, smaller blocks: every byte checked costs there.
+        let size = miri_or(MIB, 64 * KIB);
         w.enter().unwrap();
-        let a = w.alloc_zeroed(MIB).unwrap();
+        let a = w.alloc_zeroed(size).unwrap();
         let host = b.host_accessible();
         if host {
             assert_eq!(rec.zeroed.load(Ordering::Relaxed), 0, "{name}: a fresh region is zero already");
-            // SAFETY: a live block of 1 MiB.
-            assert!(unsafe { std::slice::from_raw_parts(a.as_ptr(), MIB) }.iter().all(|&x| x == 0));
+            // SAFETY: a live block of `size` bytes.
+            assert!(unsafe { std::slice::from_raw_parts(a.as_ptr(), size) }.iter().all(|&x| x == 0));
         } else {
-            assert_eq!(rec.zeroed.load(Ordering::Relaxed), MIB, "{name}: device memory is cleared by the backend");
+            assert_eq!(rec.zeroed.load(Ordering::Relaxed), size, "{name}: device memory is cleared by the backend");
         }
-        fill(a.as_ptr(), MIB, 5);
+        fill(a.as_ptr(), size, 5);
         // SAFETY: live, freed once.
         unsafe { w.free(a) };
         w.exit().unwrap();
         // The next cycle carves the same, now used, memory: it must be cleared.
         let zeroed = rec.zeroed.load(Ordering::Relaxed);
         w.enter().unwrap();
-        let c = w.alloc_zeroed(MIB).unwrap();
-        assert_eq!(rec.zeroed.load(Ordering::Relaxed) - zeroed, MIB, "{name}: reused memory is cleared");
+        let c = w.alloc_zeroed(size).unwrap();
+        assert_eq!(rec.zeroed.load(Ordering::Relaxed) - zeroed, size, "{name}: reused memory is cleared");
         if host {
-            // SAFETY: a live block of 1 MiB.
-            assert!(unsafe { std::slice::from_raw_parts(c.as_ptr(), MIB) }.iter().all(|&x| x == 0), "{name}");
+            // SAFETY: a live block of `size` bytes.
+            assert!(unsafe { std::slice::from_raw_parts(c.as_ptr(), size) }.iter().all(|&x| x == 0), "{name}");
         }
         // Past what was ever used, memory is fresh again.
         let zeroed = rec.zeroed.load(Ordering::Relaxed);
-        let d = w.alloc_zeroed(2 * MIB).unwrap();
-        let expect = if host { 0 } else { 2 * MIB };
+        let d = w.alloc_zeroed(2 * size).unwrap();
+        let expect = if host { 0 } else { 2 * size };
         assert_eq!(rec.zeroed.load(Ordering::Relaxed) - zeroed, expect, "{name}");
         // SAFETY: live, freed once.
         unsafe {
@@ -247,7 +249,7 @@ fn memory_freed_inside_a_cycle_is_found_again_before_the_arena_grows() {
         // One long cycle: many temporaries, freed out of order, never more than two live.
         w.enter().unwrap();
         let mut live: Vec<NonNull<u8>> = Vec::new();
-        for i in 0..200 {
+        for i in 0..miri_or(200, 30) {
             let p = w.alloc(MIB / 2 + (i % 7) * 4096).unwrap();
             fill(p.as_ptr(), 4096, i as u8);
             live.push(p);
@@ -279,10 +281,10 @@ fn a_long_learning_cycle_recycles_its_blocks_by_class() {
             w.enter().unwrap();
             let kept = w.alloc(10_000).unwrap();
             fill(kept.as_ptr(), 10_000, 42);
-            for i in 0..400 {
+            for i in 0..miri_or(400, 40) {
                 // Sizes within one class: every one after the first takes the same block back.
                 let p = w.alloc(100 * KIB - (i % 5) * 1000).unwrap();
-                fill(p.as_ptr(), 4096, i as u8);
+                fill(p.as_ptr(), miri_or(4096, 256), i as u8);
                 // SAFETY: live, freed once.
                 unsafe { w.free(p) };
             }
@@ -323,7 +325,7 @@ fn kept_results_are_not_need_and_never_grow_the_arena() {
         let mut w = Workspace::with_backend("KEEP", WorkspaceConfiguration::adaptive(), backend).unwrap();
         let mut results = Vec::new();
         let mut caps = Vec::new();
-        for k in 0..2000usize {
+        for k in 0..miri_or(2000, 24) {
             w.enter().unwrap();
             let t1 = w.alloc(160_000).unwrap();
             let a = w.alloc(160_000).unwrap();
@@ -456,7 +458,7 @@ mod long_cycles {
         /// blocks never overlap and keep their contents, and every region's chain and lists stay
         /// consistent.
         #[test]
-        fn live_blocks_keep_their_contents(ops in proptest::collection::vec(op(), 200..1200)) {
+        fn live_blocks_keep_their_contents(ops in proptest::collection::vec(op(), miri_or(200, 40)..miri_or(1200, 120))) {
             let mut w = Workspace::new("P", WorkspaceConfiguration::adaptive()).unwrap();
             w.enter().unwrap();
             let mut program = Program::new(w);

@@ -6,7 +6,7 @@ mod common;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use common::{backends, fill, intact};
+use common::{backends, fill, intact, miri_or};
 use rustws_core::*;
 
 fn ws(backend: &Arc<dyn Backend>, config: WorkspaceConfiguration) -> Workspace {
@@ -70,12 +70,12 @@ fn a_block_kept_past_its_cycle_keeps_its_contents_and_is_pinned() {
         fill(kept.as_ptr(), 10_000, 9);
         w.exit().unwrap();
         assert_eq!(w.stats().pinned_bytes, 10_000, "{name}");
-        for i in 0..100 {
+        for i in 0..miri_or(100, 4) {
             w.enter().unwrap();
             let mut tmp = Vec::new();
             for j in 0..20 {
                 let p = w.alloc(5_000 + j * 100).unwrap();
-                fill(p.as_ptr(), 5_000, i as u8);
+                fill(p.as_ptr(), miri_or(5_000, 64), i as u8);
                 tmp.push(p);
             }
             for p in tmp {
@@ -83,7 +83,7 @@ fn a_block_kept_past_its_cycle_keeps_its_contents_and_is_pinned() {
                 unsafe { w.free(p) };
             }
             w.exit().unwrap();
-            assert!(intact(kept.as_ptr(), 10_000, 9), "{name}: pinned block overwritten in cycle {i}");
+            assert!(intact(kept.as_ptr(), miri_or(10_000, 512), 9), "{name}: pinned block overwritten in cycle {i}");
         }
         assert_eq!(w.stats().pinned_bytes, 10_000);
         // SAFETY: live, freed once.
@@ -99,10 +99,12 @@ fn escaping_every_cycle_stays_bounded() {
         let mut w = ws(b, cfg());
         let mut weights: Option<NonNull<u8>> = None;
         let mut caps = Vec::new();
-        for i in 0..200u32 {
+        let size = miri_or(1 << 20, 1 << 15);
+        let cycles = miri_or(200, 16) as u32;
+        for i in 0..cycles {
             w.enter().unwrap();
-            let g = w.alloc(1 << 20).unwrap();
-            let nw = w.alloc(1 << 20).unwrap();
+            let g = w.alloc(size).unwrap();
+            let nw = w.alloc(size).unwrap();
             fill(nw.as_ptr(), 1 << 12, i as u8);
             // SAFETY: live blocks, each freed once.
             unsafe {
@@ -116,9 +118,9 @@ fn escaping_every_cycle_stays_bounded() {
         }
         let s = w.stats();
         assert!(caps[10..].iter().all(|c| *c == caps[10]), "{name}: capacity kept changing: {:?}", &caps[..20]);
-        assert!(s.capacity_bytes < 6 << 20, "{name}: {s:?}");
+        assert!((s.capacity_bytes as usize) < 6 * size, "{name}: {s:?}");
         assert!(s.spill_count <= 2, "{name}: {s:?}");
-        assert!(intact(weights.unwrap().as_ptr(), 1 << 12, 199));
+        assert!(intact(weights.unwrap().as_ptr(), 1 << 12, (cycles - 1) as u8));
     });
 }
 
@@ -129,7 +131,7 @@ fn memory_freed_inside_one_long_cycle_is_reused() {
             ws(b, WorkspaceConfiguration { initial_size: 8 << 20, policy_learning: LearningPolicy::None, ..cfg() });
         w.enter().unwrap();
         let mut live: Vec<(NonNull<u8>, usize, u8)> = Vec::new();
-        for step in 0..20_000usize {
+        for step in 0..miri_or(20_000, 150) {
             let size = 1000 + (step * 7919) % 60_000;
             let p = w.alloc(size).unwrap();
             fill(p.as_ptr(), size.min(256), step as u8);
@@ -211,7 +213,7 @@ fn spill_reallocate_grows_and_external_never_does() {
 fn circular_reset_continues_across_cycles_and_wraps_around_live_blocks() {
     for_each_backend(|name, b| {
         let c = WorkspaceConfiguration {
-            initial_size: 1 << 20,
+            initial_size: miri_or(1 << 20, 12 << 10) as u64,
             policy_learning: LearningPolicy::None,
             policy_reset: ResetPolicy::EndOfBufferReached,
             policy_allocation: AllocationPolicy::Strict,
@@ -220,16 +222,17 @@ fn circular_reset_continues_across_cycles_and_wraps_around_live_blocks() {
         let mut w = ws(b, c);
         let mut ring: std::collections::VecDeque<(NonNull<u8>, u8)> = Default::default();
         let mut addrs = std::collections::BTreeSet::new();
-        for i in 0..400u32 {
+        let size = miri_or(100_000, 1_000);
+        for i in 0..miri_or(400, 24) as u32 {
             w.enter().unwrap();
-            let p = w.alloc(100_000).unwrap();
-            fill(p.as_ptr(), 100_000, i as u8);
+            let p = w.alloc(size).unwrap();
+            fill(p.as_ptr(), size, i as u8);
             addrs.insert(p.as_ptr() as usize);
             ring.push_back((p, i as u8));
             w.exit().unwrap();
             if ring.len() > 4 {
                 let (q, seed) = ring.pop_front().unwrap();
-                assert!(intact(q.as_ptr(), 100_000, seed), "{name}: item {i} overwrote a live one");
+                assert!(intact(q.as_ptr(), size, seed), "{name}: item {i} overwrote a live one");
                 // SAFETY: live, freed once.
                 unsafe { w.free(q) };
             }
@@ -484,10 +487,10 @@ fn an_opaque_backend_is_never_written_by_the_arena() {
         };
         front.iter().all(|&x| x == OpaqueMemory::CANARY)
     };
-    for cycle in 0..30usize {
+    for cycle in 0..miri_or(30, 8) {
         w.enter().unwrap();
         let mut blocks = Vec::new();
-        for i in 0..50usize {
+        for i in 0..miri_or(50, 20) {
             blocks.push(w.alloc(100 + (i * 997 + cycle * 31) % 20_000).unwrap());
         }
         if cycle % 10 == 3 {
@@ -496,7 +499,7 @@ fn an_opaque_backend_is_never_written_by_the_arena() {
         for &p in &blocks {
             assert!(front_is_canary(&w, p), "cycle {cycle}: something was written in front of a block");
         }
-        kept.push(blocks.swap_remove(cycle % 50));
+        kept.push(blocks.swap_remove(cycle % blocks.len()));
         for p in blocks {
             // SAFETY: live, freed once.
             unsafe { w.free(p) };
@@ -707,7 +710,7 @@ fn blocks_that_die_between_cycles_leave_the_next_cycle_a_whole_arena() {
         let mut w = ws(b, config);
         let sizes: [&[usize]; 3] = [&[2 << 20, 700_000, 48_000], &[2 << 20, 1 << 20, 300_000], &[600_000, 90_000]];
         let mut first_of_step = Vec::new();
-        for _step in 0..30 {
+        for _step in 0..miri_or(30, 5) {
             let mut kept = Vec::new();
             for (k, cycle) in sizes.iter().enumerate() {
                 w.enter().unwrap();

@@ -228,7 +228,7 @@ fn the_adaptive_profile_sizes_its_arena_within_max_size() {
 }
 
 fn grow_shrink_op() -> impl Strategy<Value = Op> {
-    let size = prop_oneof![1usize..4096, 4096usize..(256 << 10) / SCALE, Just(MIB / SCALE), Just(3 * MIB / SCALE)];
+    let size = prop_oneof![1usize..1024, 1024usize..(256 << 10) / SCALE, Just(MIB / SCALE), Just(3 * MIB / SCALE)];
     prop_oneof![
         6 => size.clone().prop_map(Op::Alloc),
         1 => size.prop_map(Op::Calloc),

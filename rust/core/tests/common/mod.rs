@@ -33,6 +33,16 @@ pub fn backends() -> Vec<(&'static str, Arc<dyn Backend>)> {
     all
 }
 
+/// `normal`, or `miri` under Miri, where each step of a test costs thousands of times more: counts
+/// of cycles and steps, and sizes, of the tests Miri runs. The paths they take are the same.
+pub const fn miri_or(normal: usize, miri: usize) -> usize {
+    if cfg!(miri) {
+        miri
+    } else {
+        normal
+    }
+}
+
 /// The number of cases of a property test: `default`, or `RUSTWS_PROPTEST_CASES` when set (CI
 /// runs fewer under Miri and the sanitizers, where every case costs far more).
 pub fn cases(default: u32) -> u32 {
