@@ -46,6 +46,8 @@ if miri_available; then
     miri --test programs --test faults --test limit --test threads
     miri --test conformance -- $(printf -- '--skip %s ' "${MIRI_CONFORMANCE_SKIP[@]}")
     miri --test adaptive
+    # The sanitizers below run the property tests at their full case counts.
+    unset RUSTWS_PROPTEST_CASES
 else
     echo "checking that the core still builds under cfg(miri) (its shims for madvise, sysconf, mmap)"
     RUSTFLAGS="--cfg miri" cargo check -p rustws-core --lib --tests --no-default-features --quiet \
