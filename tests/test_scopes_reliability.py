@@ -164,9 +164,22 @@ def test_a_borrow_exited_out_of_order_is_unlinked():
     assert rustws.current_workspace() is None
 
 
-def test_scope_objects_refuse_a_bad_handler():
-    with pytest.raises(TypeError, match="handler"):
-        _rustws.Scope(None, True, "not a capsule")
+def test_scope_objects_lend_only_what_the_bindings_choose():
+    # The binding's scope object takes no handler from Python: a workspace's scope comes from the
+    # workspace (``borrow()``), the bare one lends NumPy's default.
+    with pytest.raises(TypeError):
+        _rustws.Scope(None, True, "not a capsule")  # type: ignore[call-arg]
+    ws = rustws.Workspace("LEND", {})
+    with ws.borrow() as inside:
+        assert inside is ws and rustws.current_workspace() is ws
+        a = np.ones(1 << 16)
+        with _rustws.Scope() as none:
+            assert none is None and rustws.current_workspace() is None
+            b = np.ones(1 << 16)
+    assert rustws.owner(a) is ws and rustws.owner(b) is None
+    ws.destroy()
+    with pytest.raises(rustws.WorkspaceClosedError, match="LEND"):
+        ws.borrow()
 
 
 # -- a state machine over every kind of scope, exited in any order -----------------------------------

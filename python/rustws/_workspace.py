@@ -12,7 +12,6 @@ so this module never imports it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import resource
@@ -33,7 +32,6 @@ from ._errors import (
     EscapedArrayWarning,
     LeakedArrayError,
     NoSuchWorkspaceError,
-    WorkspaceClosedError,
     WorkspaceOutOfMemory,
 )
 
@@ -151,7 +149,9 @@ class Workspace(_rustws.WorkspaceCore):
     config: WorkspaceConfiguration
     device: str
 
-    def __init__(self, name: str, config: dict[str, Any], backend: str | None = None) -> None:
+    def __init__(
+        self, name: str, config: dict[str, Any], backend: str | None = None, ordinal: int = 0
+    ) -> None:
         # Made directly (``rustws.Workspace(name, {})``) rather than by ``rustws.workspace``: a
         # usable workspace of no thread's registry, its configuration read back from the dict
         # the core validated. ``rustws.workspace`` sets it up again for its thread.
@@ -248,10 +248,7 @@ class Workspace(_rustws.WorkspaceCore):
     def borrow(self) -> contextlib.AbstractContextManager[Workspace]:
         """Makes this workspace current (and capturing) without opening a new cycle. Entering and
         leaving are single steps in the bindings: no exception can leave the scope half open."""
-        if self.is_destroyed:
-            raise WorkspaceClosedError(f"workspace {self.name!r} was destroyed")
-        install = self.capture and self.debug_mode_name != "BYPASS_EVERYTHING"
-        return _rustws.Scope(self, install, self.handler)
+        return self._borrow()
 
     # -- allocation ---------------------------------------------------------------------------
     # ``empty`` and ``zeros`` are the bindings' (no Python runs per call). The rest follow NumPy's
@@ -261,8 +258,7 @@ class Workspace(_rustws.WorkspaceCore):
     def _numpy_here(self, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``make(*args, **kwargs)`` with this workspace as NumPy's allocator (whatever scopes are
         open); a refusal raises ``WorkspaceOutOfMemory`` with the workspace's reason."""
-        if self.is_destroyed:
-            raise WorkspaceClosedError(f"workspace {self.name!r} was destroyed")
+        self._check_alive()
         previous = _rustws.set_handler(self.handler)
         try:
             return make(*args, **kwargs)
@@ -452,8 +448,7 @@ class Workspace(_rustws.WorkspaceCore):
 
     # -- state --------------------------------------------------------------------------------
     def stats(self) -> WorkspaceStats:
-        s = self._stats()
-        return WorkspaceStats(**{f: getattr(s, f) for f in _STATS_FIELDS})
+        return WorkspaceStats(*self._stats())
 
     def destroy(self) -> None:
         """Releases the workspace. Memory under live arrays is kept until the last one dies. Idempotent."""
@@ -514,7 +509,6 @@ def _check_config(config: Any) -> WorkspaceConfiguration | None:
     raise TypeError(f"config must be a WorkspaceConfiguration, a dict or None, got {type(config).__name__}")
 
 
-_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WorkspaceStats))
 _MAX_ORDINAL = 2**31 - 1  # CUDA and DLPack number devices with a C int
 
 
@@ -670,7 +664,6 @@ def _observed(ws: Workspace) -> Workspace:
         )
         observed.__qualname__ = cls.__qualname__
     ws.__class__ = observed
-    ws.__dict__.setdefault("_observed_last", ws.stats())
     ws.__dict__.setdefault("_observed_settled", False)
     return ws
 
@@ -679,23 +672,19 @@ def _after_observed_cycle(ws: Any) -> None:
     if not logger.isEnabledFor(logging.INFO):
         ws.__class__ = type(ws).__mro__[2]  # the class it had: back to the bindings' cycles
         return
-    last: WorkspaceStats = ws._observed_last
-    now: WorkspaceStats = ws.stats()
-    ws._observed_last = now
-    cycle = now.cycles - 1
-    spills = now.spill_count - last.spill_count
-    changed = now.capacity_bytes != last.capacity_bytes
+    # The core's report of the cycle that just closed: no statistics are compared.
+    cycle, allocations, spills, peak, before, after, pinned = ws._last_cycle()
+    changed = before != after
     if logger.isEnabledFor(logging.DEBUG):
         name = ws.name
         if changed:
-            a, b = last.capacity_bytes, now.capacity_bytes
-            if a == 0:
-                what = f"mapped an arena of {_fmt_bytes(b)}"
-            elif b == 0:
-                what = f"released its arena of {_fmt_bytes(a)}"
+            if before == 0:
+                what = f"mapped an arena of {_fmt_bytes(after)}"
+            elif after == 0:
+                what = f"released its arena of {_fmt_bytes(before)}"
             else:
-                verb = "grew" if b > a else "shrank"
-                what = f"arena {verb} (remapped) {_fmt_bytes(a)} -> {_fmt_bytes(b)}"
+                verb = "grew" if after > before else "shrank"
+                what = f"arena {verb} (remapped) {_fmt_bytes(before)} -> {_fmt_bytes(after)}"
             logger.debug("workspace %r: cycle %d %s", name, cycle, what)
         if spills:
             logger.debug(
@@ -703,34 +692,34 @@ def _after_observed_cycle(ws: Any) -> None:
                 name,
                 cycle,
                 spills,
-                _fmt_bytes(now.peak_cycle_bytes),
-                _fmt_bytes(last.capacity_bytes),
+                _fmt_bytes(peak),
+                _fmt_bytes(before),
             )
-        elif now.peak_cycle_bytes > max(now.capacity_bytes, last.capacity_bytes) > 0:
+        elif peak > max(before, after) > 0:
             logger.debug(
                 "workspace %r: cycle %d served %s beyond its arena without spilling (huge "
                 "requests get mappings of their own)",
                 name,
                 cycle,
-                _fmt_bytes(now.peak_cycle_bytes - max(now.capacity_bytes, last.capacity_bytes)),
+                _fmt_bytes(peak - max(before, after)),
             )
-        if now.pinned_bytes:
+        if pinned:
             logger.debug(
                 "workspace %r: after cycle %d, %s stay pinned under arrays that outlived it",
                 name,
                 cycle,
-                _fmt_bytes(now.pinned_bytes),
+                _fmt_bytes(pinned),
             )
-    calm = not spills and not changed and now.allocation_count > last.allocation_count
-    if calm and not ws._observed_settled and now.capacity_bytes > 0:
+    calm = not spills and not changed and allocations > 0
+    if calm and not ws._observed_settled and after > 0:
         ws._observed_settled = True
         logger.info(
             "workspace %r settled after %d cycles: arena %s, peak %s per cycle, no spill or "
             "resize in cycle %d",
             ws.name,
-            now.cycles,
-            _fmt_bytes(now.capacity_bytes),
-            _fmt_bytes(now.peak_cycle_bytes),
+            cycle + 1,
+            _fmt_bytes(after),
+            _fmt_bytes(peak),
             cycle,
         )
 
@@ -761,7 +750,7 @@ def workspaces() -> list[Workspace]:
 
 def scope_out_of_workspaces() -> contextlib.AbstractContextManager[None]:
     """Inside, no workspace is current and NumPy allocates with its default allocator."""
-    return _rustws.Scope(None, True, None)
+    return _rustws.Scope()
 
 
 def destroy_all_workspaces_for_current_thread() -> None:

@@ -37,7 +37,7 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from . import _rustws
 from ._config import LearningPolicy, MirroringPolicy, WorkspaceConfiguration
-from ._errors import DeviceUnavailableError, WorkspaceClosedError
+from ._errors import DeviceUnavailableError
 from ._workspace import _BY_ID, _MAX_ORDINAL, ShapeLike, Workspace, _set_device_factory
 
 _T = TypeVar("_T")
@@ -239,8 +239,7 @@ def _gpu_ordinal(ws: Any, user: str) -> int:
     (``HOST_ONLY``)."""
     if not isinstance(ws, DeviceWorkspace):
         raise TypeError(f"{user} needs a device workspace, got {type(ws).__name__}")
-    if ws.is_destroyed:
-        raise WorkspaceClosedError(f"workspace {ws.name!r} was destroyed")
+    ws._check_alive()
     dl = ws._dl
     if not ws._on_device or dl is None or dl[0] != _KDL_CUDA:
         if ws.fallback_reason is not None:
@@ -292,10 +291,10 @@ def _device_workspace(
         return _host_device_workspace(name, cfg, requested, reason, capture)
     mirror = None
     if cfg.policy_mirroring == MirroringPolicy.FULL:
-        mirror = Workspace(f"{name}/host-mirror", _mirror_config(cfg), f"pinned:{ordinal}")
+        mirror = Workspace(f"{name}/host-mirror", _mirror_config(cfg), "pinned", ordinal)
         mirror._setup(cfg, "cpu", False)
         _BY_ID[mirror.id] = mirror
-    ws = DeviceWorkspace(name, cfg._core_dict(), f"cuda:{ordinal}")
+    ws = DeviceWorkspace(name, cfg._core_dict(), "cuda", ordinal)
     ws._setup(cfg, requested, False)
     ws._setup_device(requested, None, True, (_KDL_CUDA, ordinal), mirror)
     return ws

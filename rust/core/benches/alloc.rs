@@ -34,7 +34,7 @@ fn sizes() -> Vec<usize> {
 fn workspace_for(sizes: &[usize]) -> Workspace {
     // Each block's slot (its class size and header), and room for the filler in front of a
     // block whose data starts on a page.
-    let need: usize = sizes.iter().map(|&s| rustws_core::arena::slot_for(s).expect("a class") + 4096).sum();
+    let need: usize = sizes.iter().map(|&s| rustws_core::slot_for(s).expect("a class") + 4096).sum();
     let config = WorkspaceConfiguration {
         initial_size: need as u64,
         policy_learning: LearningPolicy::None,

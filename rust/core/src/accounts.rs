@@ -35,15 +35,86 @@ pub struct WorkspaceStats {
     pub failed_allocations: u64,
 }
 
-/// What one cycle left behind.
+impl WorkspaceStats {
+    /// The fields' names, in the order of [`WorkspaceStats::values`]: the one definition of the
+    /// statistics, which the bindings, the Python dataclass and its stub follow.
+    pub const FIELDS: [&'static str; 11] = [
+        "cycles",
+        "capacity_bytes",
+        "used_bytes",
+        "peak_cycle_bytes",
+        "cached_bytes",
+        "external_bytes",
+        "pinned_bytes",
+        "overhead_bytes",
+        "allocation_count",
+        "spill_count",
+        "failed_allocations",
+    ];
+
+    /// The values, in the order of [`WorkspaceStats::FIELDS`].
+    pub fn values(&self) -> [u64; 11] {
+        let WorkspaceStats {
+            cycles,
+            capacity_bytes,
+            used_bytes,
+            peak_cycle_bytes,
+            cached_bytes,
+            external_bytes,
+            pinned_bytes,
+            overhead_bytes,
+            allocation_count,
+            spill_count,
+            failed_allocations,
+        } = *self;
+        [
+            cycles,
+            capacity_bytes,
+            used_bytes,
+            peak_cycle_bytes,
+            cached_bytes,
+            external_bytes,
+            pinned_bytes,
+            overhead_bytes,
+            allocation_count,
+            spill_count,
+            failed_allocations,
+        ]
+    }
+}
+
+/// What one cycle did, as its close reports it: what escaped it, what it spilled, and what
+/// happened to the arena. The bindings log and report from this, never from differences of
+/// statistics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CycleReport {
-    /// Whether this exit closed the outermost cycle.
+    /// Whether this exit closed a cycle (not a nested level).
     pub completed: bool,
-    /// Blocks allocated in this cycle that are still live (they are now pinned).
+    /// The cycle's number (0 for the first).
+    pub cycle: u64,
+    /// Blocks allocated in this cycle that are still live (they are now pinned); counted when
+    /// the last open cycle closes.
     pub escaped_blocks: u64,
     /// Their requested bytes.
     pub escaped_bytes: u64,
+    /// Requests served in the cycle, and how many of them spilled outside an initialised arena.
+    pub allocations: u64,
+    pub spills: u64,
+    /// Peak of live requested bytes in the cycle.
+    pub peak_bytes: u64,
+    /// Arena capacity (all regions) when the cycle opened, and after its close sized the arena:
+    /// they differ where the close mapped, grew, shrank or released a region.
+    pub arena_before: u64,
+    pub arena_after: u64,
+    /// Requested bytes pinned under blocks that outlived their cycles, after the close.
+    pub pinned_bytes: u64,
+}
+
+impl CycleReport {
+    /// Whether the close remapped the arena (mapped, grew, shrank or released it).
+    pub fn remapped(&self) -> bool {
+        self.arena_before != self.arena_after
+    }
 }
 
 /// Blocks from this slot size up belong to the page-aligned classes.
@@ -82,6 +153,9 @@ pub(crate) struct Accounts {
     pub allocations: u64,
     pub spills: u64,
     pub failures: u64,
+    /// Frees of pointers that were no live block of the workspace (double frees, another
+    /// allocator's pointers): ignored, and counted.
+    pub bad_frees: u64,
     /// Bytes pre-faulted synchronously, in total.
     pub prefaulted: u64,
 }
@@ -193,5 +267,64 @@ impl Accounts {
         self.large_pinned = self.large_live;
         self.last_cycle_peak = self.cycle_peak;
         escaped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `FIELDS` names the struct's fields in declaration order: checked against the derived
+    /// `Debug`, which prints them so.
+    #[test]
+    fn stats_fields_are_the_struct_fields_in_order() {
+        let s = WorkspaceStats { cycles: 1, spill_count: 7, failed_allocations: 9, ..Default::default() };
+        let debug = format!("{s:?}");
+        let names: Vec<&str> = debug
+            .trim_start_matches("WorkspaceStats { ")
+            .trim_end_matches(" }")
+            .split(", ")
+            .map(|kv| kv.split(':').next().unwrap())
+            .collect();
+        assert_eq!(names, WorkspaceStats::FIELDS);
+        let v = s.values();
+        assert_eq!((v[0], v[9], v[10]), (1, 7, 9));
+    }
+
+    /// A cycle's need counts its own peak and the earlier state it replaced, never what it keeps.
+    #[test]
+    fn a_cycle_needs_its_peak_and_what_it_replaced() {
+        let mut a = Accounts::default();
+        a.open_cycle();
+        a.count_arena(100, 192);
+        a.count_arena(100, 192);
+        a.uncount_arena(100, 192);
+        assert_eq!(a.cycle_need(), 384);
+        assert_eq!(a.close_cycle(1), (1, 100));
+        assert_eq!((a.pinned_blocks, a.pinned, a.pinned_slot), (1, 100, 192));
+        // Next cycle: the kept block is replaced (freed, pinned), and a new one made.
+        a.open_cycle();
+        assert_eq!(a.cycle_need(), 0, "a kept block is not this cycle's need");
+        a.unpin(100, 192);
+        a.uncount_arena(100, 192);
+        a.count_arena(100, 192);
+        assert_eq!(a.cycle_need(), 192 + 192, "the replaced state and the new block");
+        assert_eq!(a.close_cycle(1), (1, 100));
+    }
+
+    /// Blocks of the page-aligned classes count the filler an arena may put in front of them.
+    #[test]
+    fn large_blocks_count_their_filler() {
+        let mut a = Accounts::default();
+        a.open_cycle();
+        a.count_arena(PAGE_ALIGNED_SIZE, LARGE_SLOT);
+        assert_eq!(a.cycle_need(), LARGE_SLOT + MOST_PAD);
+        a.count_external(10, 128);
+        assert_eq!((a.external, a.external_slot, a.external_blocks), (10, 128, 1));
+        a.count_huge(1 << 30);
+        assert_eq!(a.cycle_peak, (PAGE_ALIGNED_SIZE + 10 + (1 << 30)) as u64);
+        a.uncount_huge(1 << 30);
+        a.uncount_external(10, 128);
+        assert_eq!((a.external, a.external_blocks), (0, 0));
     }
 }

@@ -70,10 +70,6 @@ pub enum BlockKind {
     /// A request far larger than a cycle's usual footprint: a lazily faulted mapping of its own,
     /// counted as external memory and kept for reuse while such requests recur.
     Huge = 4,
-    /// Memory of another allocator that a caller wrote a header in front of (the bindings serve
-    /// small and uncaptured NumPy requests from NumPy's own allocator): never a workspace's to
-    /// free.
-    Foreign = 5,
 }
 
 /// The header in front of every block. Exactly one cache line, so data stays 64-byte aligned.
@@ -218,10 +214,10 @@ pub unsafe fn write_live_header(
 pub unsafe fn live_kind(h: *const BlockHeader) -> Option<BlockKind> {
     // SAFETY: the caller's guarantee; both fields are read as plain integers.
     let (magic, kind) = unsafe { (addr_of!((*h).magic).read(), addr_of!((*h).kind).cast::<u8>().read()) };
-    if magic != MAGIC_LIVE || !(BlockKind::Arena as u8..=BlockKind::Foreign as u8).contains(&kind) {
+    if magic != MAGIC_LIVE || !(BlockKind::Arena as u8..=BlockKind::Huge as u8).contains(&kind) {
         return None;
     }
-    // SAFETY: `BlockKind` is `repr(u8)` with the values from `Arena` to `Foreign`, checked above.
+    // SAFETY: `BlockKind` is `repr(u8)` with the values from `Arena` to `Huge`, checked above.
     Some(unsafe { std::mem::transmute::<u8, BlockKind>(kind) })
 }
 
@@ -235,15 +231,6 @@ pub unsafe fn is_live_arena(h: *const BlockHeader) -> bool {
     unsafe {
         addr_of!((*h).magic).read() == MAGIC_LIVE && addr_of!((*h).kind).cast::<u8>().read() == BlockKind::Arena as u8
     }
-}
-
-/// The header in front of a data pointer.
-///
-/// # Safety
-/// `data` was returned by [`write_live_header`] and its block has not been released to its backend.
-pub unsafe fn header_of(data: NonNull<u8>) -> NonNull<BlockHeader> {
-    // SAFETY: the caller guarantees a header precedes `data` inside the same allocation.
-    unsafe { data.sub(HEADER).cast::<BlockHeader>() }
 }
 
 /// One mapped region and its allocation state.
@@ -675,6 +662,7 @@ impl ArenaRegion {
     }
 
     /// Slot bytes of the blocks on the free lists.
+    #[cfg(test)]
     pub fn listed_bytes(&self) -> usize {
         self.lists.as_deref().map_or(0, |l| l.bytes)
     }
@@ -1013,5 +1001,70 @@ impl Drop for ArenaRegion {
             // once, here.
             unsafe { AnonymousMemory.unmap(self.meta, self.capacity) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::HeapMemory;
+    use crate::classes::class_of;
+
+    const CAP: usize = 64 << 10;
+
+    fn region(lists: bool) -> ArenaRegion {
+        ArenaRegion::new(1, 7, CAP, Arc::new(HeapMemory), lists).expect("memory for a test region")
+    }
+
+    fn take(r: &mut ArenaRegion, size: usize) -> Option<NonNull<u8>> {
+        let class = class_of(size).unwrap();
+        r.take(class, class_size(class) + HEADER, size, 0).map(|(p, _, _)| p)
+    }
+
+    fn free(r: &mut ArenaRegion, p: NonNull<u8>) {
+        let h = r.header_at_data(p).expect("a block of the region");
+        // SAFETY: the live header of a block of `r`.
+        unsafe { r.release(h) };
+    }
+
+    #[test]
+    fn blocks_tile_the_region_and_a_rewind_starts_over() {
+        for lists in [true, false] {
+            let mut r = region(lists);
+            let a = take(&mut r, 1000).unwrap();
+            let b = take(&mut r, 3000).unwrap();
+            assert_eq!(a.as_ptr() as usize % BLOCK_ALIGN, 0);
+            assert!(b > a && r.live_blocks() == 2);
+            // SAFETY: a live header written by `take`.
+            let h = unsafe { r.header_at_data(a).unwrap().as_ref() };
+            assert_eq!((h.owner, h.region, h.requested, h.kind), (7, 1, 1000, BlockKind::Arena));
+            assert!(r.header_at_data(NonNull::new(a.as_ptr().wrapping_add(8)).unwrap()).is_none(), "not a boundary");
+            free(&mut r, a);
+            free(&mut r, b);
+            assert_eq!(r.verify(), 0, "lists {lists}: nothing live");
+            r.rewind();
+            assert_eq!(take(&mut r, 1000), Some(a), "lists {lists}: a rewound region starts at its base");
+        }
+    }
+
+    #[test]
+    fn a_full_region_refuses_and_a_pinned_block_is_walked_around() {
+        let mut r = region(false);
+        let mut blocks = Vec::new();
+        while let Some(p) = take(&mut r, 4000) {
+            blocks.push(p);
+        }
+        assert!(blocks.len() >= CAP / (4096 + HEADER) - 1, "{} blocks", blocks.len());
+        // Keep the second block (pinned across the cycle end); the others die.
+        let kept = blocks[1];
+        for &p in blocks.iter().filter(|&&p| p != kept) {
+            free(&mut r, p);
+        }
+        r.rewind();
+        let again: Vec<_> = std::iter::from_fn(|| take(&mut r, 4000)).collect();
+        assert_eq!(again.len(), blocks.len() - 1, "every block but the kept one comes back");
+        assert!(!again.contains(&kept), "never the memory under the kept block");
+        let slot = class_size(class_of(4000).unwrap()) + HEADER;
+        assert_eq!(r.verify(), (again.len() + 1) * slot, "the live slots, the kept block's included");
     }
 }

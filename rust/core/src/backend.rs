@@ -949,6 +949,11 @@ impl LimitAdaptor {
         LimitAdaptor { upstream, limit, held: AtomicUsize::new(0) }
     }
 
+    /// The backend under the limit.
+    pub fn upstream(&self) -> &Arc<dyn Backend> {
+        &self.upstream
+    }
+
     /// Bytes currently held through this adaptor.
     pub fn held(&self) -> usize {
         self.held.load(Ordering::Relaxed)

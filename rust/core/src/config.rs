@@ -223,6 +223,28 @@ fn invalid(field: &'static str, message: String) -> Error {
 }
 
 impl WorkspaceConfiguration {
+    /// The fields' names, in declaration order: the one definition of the configuration's
+    /// fields, which the bindings read dictionaries by and the Python dataclass follows.
+    pub const FIELDS: [&'static str; 17] = [
+        "initial_size",
+        "min_size",
+        "max_size",
+        "overallocation_limit",
+        "cycles_before_initialization",
+        "policy_allocation",
+        "policy_learning",
+        "policy_spill",
+        "policy_reset",
+        "policy_mirroring",
+        "policy_location",
+        "temp_file_path",
+        "temp_block_size",
+        "helper_min_size",
+        "helper_allow_fallback",
+        "use_cycle_detector",
+        "debug_mode",
+    ];
+
     /// The adaptive profile: learning ADAPTIVE, spills REALLOCATE (they size the next cycle),
     /// every other field at its default.
     pub fn adaptive() -> Self {
@@ -433,6 +455,20 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `FIELDS` names the struct's fields in declaration order: checked against the derived
+    /// `Debug`, which prints them so.
+    #[test]
+    fn fields_are_the_struct_fields_in_order() {
+        let debug = format!("{:?}", WorkspaceConfiguration::default());
+        let names: Vec<&str> = debug
+            .trim_start_matches("WorkspaceConfiguration { ")
+            .split(", ")
+            .filter_map(|kv| kv.split_once(": ").map(|(k, _)| k))
+            .filter(|k| k.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+            .collect();
+        assert_eq!(names, WorkspaceConfiguration::FIELDS);
+    }
 
     #[test]
     fn sizes_parse_with_units() {

@@ -204,6 +204,30 @@ impl Drop for CudaMemory {
     }
 }
 
+impl crate::release::StreamOrder for CudaMemory {
+    type Event = StreamEvent;
+    fn record_release(&self, stream: usize) -> Result<StreamEvent, BackendError> {
+        CudaMemory::record_release(self, stream)
+    }
+    fn is_complete(&self, event: &StreamEvent) -> bool {
+        CudaMemory::is_complete(self, event)
+    }
+    fn wait(&self, event: &StreamEvent) {
+        CudaMemory::wait(self, event)
+    }
+    fn destroy_event(&self, event: StreamEvent) {
+        CudaMemory::destroy_event(self, event)
+    }
+    fn synchronize(&self) -> Result<(), BackendError> {
+        CudaMemory::synchronize(self)
+    }
+    fn reclaim(&self) {
+        if self.has_deferred() {
+            DeferredRelease::reclaim(self);
+        }
+    }
+}
+
 impl DeferredRelease for CudaMemory {
     fn has_deferred(&self) -> bool {
         self.released.pending.load(Ordering::Relaxed)

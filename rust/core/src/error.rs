@@ -117,6 +117,11 @@ pub enum Error {
 }
 
 impl Error {
+    /// The workspace `workspace` was destroyed.
+    pub fn destroyed(workspace: &Name) -> Self {
+        Error::Destroyed { workspace: workspace.clone() }
+    }
+
     /// A device that refused `cause` (a fill, a copy).
     pub fn device(what: &'static str, cause: BackendError) -> Self {
         Error::Unavailable { what: Cow::Borrowed(what), cause: Some(cause) }

@@ -357,3 +357,76 @@ impl OwnBlocks {
         unsafe { self.release(p, slot, BlockKind::External) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::HeapMemory;
+    use crate::classes::{class_of, class_size};
+
+    fn blocks() -> OwnBlocks {
+        OwnBlocks::new(Arc::new(HeapMemory), Arc::new(HeapMemory), 7).expect("room for the lists")
+    }
+
+    #[test]
+    fn blocks_are_found_by_address_and_cached_by_class() {
+        let mut b = blocks();
+        let class = class_of(1000).unwrap();
+        let slot = class_size(class) + HEADER;
+        let p = b.new_block(BlockKind::External, 1000, slot, false, 0).unwrap();
+        let h = b.header_of(p).expect("listed");
+        // SAFETY: the live header just written.
+        assert_eq!(unsafe { h.as_ref() }.owner, 7);
+        assert!(b.holds(p.as_ptr() as usize + 999) && !b.holds(p.as_ptr() as usize + slot));
+        // SAFETY: live, given up once.
+        unsafe { b.put_cached(p, slot, 3) };
+        assert_eq!(b.cached_bytes(), slot);
+        assert_eq!(b.take_cached(class_of(50_000).unwrap(), 3), None, "another class");
+        assert_eq!(b.take_cached(class, 4), Some((p, slot)));
+        // SAFETY: taken off the cache: ours.
+        unsafe { b.put_cached(p, slot, 4) };
+        b.release_stale(4 + CACHE_CYCLES - 1);
+        assert_eq!(b.cached_bytes(), slot, "used recently");
+        b.release_stale(4 + CACHE_CYCLES);
+        assert_eq!(b.cached_bytes(), 0);
+        assert!(b.header_of(p).is_none(), "released blocks leave the table");
+    }
+
+    #[test]
+    fn shrinking_gives_the_largest_classes_back_first() {
+        let mut b = blocks();
+        let mut put = |size: usize| {
+            let slot = class_size(class_of(size).unwrap()) + HEADER;
+            let p = b.new_block(BlockKind::External, size, slot, true, 0).unwrap();
+            // SAFETY: live, given up once.
+            unsafe { b.put_cached(p, slot, 0) };
+            slot
+        };
+        let small = put(100);
+        let large = put(100_000);
+        assert_eq!(b.cached_bytes(), small + large);
+        b.shrink_to(small);
+        assert_eq!(b.cached_bytes(), small);
+        b.shrink_to(0);
+        assert_eq!(b.cached_bytes(), 0);
+    }
+
+    #[test]
+    fn the_cache_budget_is_the_recent_peak_and_half_again() {
+        let mut peaks = ExternalPeaks::default();
+        peaks.open_cycle(0);
+        peaks.note(1000);
+        peaks.note(400);
+        peaks.close_cycle(0);
+        assert_eq!(peaks.cache_budget(0), 1500);
+        assert_eq!(peaks.cache_budget(600), 900, "what is live takes its share");
+        // Once the window has moved past the peak, the budget follows the smaller cycles.
+        for g in 1..=NEED_WINDOW as u64 {
+            peaks.open_cycle(0);
+            peaks.note(100);
+            peaks.close_cycle(g);
+        }
+        peaks.open_cycle(0);
+        assert_eq!(peaks.cache_budget(0), 150);
+    }
+}

@@ -98,3 +98,45 @@ impl HugeCache {
         (self.cached.len(), self.cached.iter().map(|m| m.len).sum())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::HeapMemory;
+
+    fn mapping(len: usize) -> NonNull<u8> {
+        HeapMemory.map(len, false).expect("memory for a test mapping")
+    }
+
+    #[test]
+    fn a_cached_mapping_serves_requests_up_to_a_quarter_smaller() {
+        let mut c = HugeCache::default();
+        let at = mapping(8192);
+        // SAFETY: a mapping of HeapMemory that nothing uses.
+        unsafe { c.put(&HeapMemory, at, 8192, 0) };
+        assert_eq!(c.cached(), (1, 8192));
+        assert_eq!(c.take(4096), None, "half the size: mapped anew, the cache stays");
+        assert_eq!(c.take(8193), None, "larger: never");
+        assert_eq!(c.take(7000), Some((at, 8192)));
+        assert_eq!(c.cached(), (0, 0));
+        // SAFETY: taken back out of the cache: ours to give up again.
+        unsafe { c.put(&HeapMemory, at, 8192, 0) };
+        c.release_all(&HeapMemory);
+        assert_eq!(c.cached(), (0, 0));
+    }
+
+    #[test]
+    fn the_cache_holds_few_mappings_and_releases_the_unused() {
+        let mut c = HugeCache::default();
+        for g in 0..(CACHED_MAPPINGS as u64 + 2) {
+            // SAFETY: fresh mappings that nothing uses.
+            unsafe { c.put(&HeapMemory, mapping(4096), 4096, g) };
+        }
+        assert_eq!(c.cached().0, CACHED_MAPPINGS, "the oldest went back when it was full");
+        let newest = CACHED_MAPPINGS as u64 + 1;
+        c.release_stale(&HeapMemory, newest + CACHE_CYCLES - 1);
+        assert_eq!(c.cached().0, 1, "only the newest was used within the last cycles");
+        c.release_stale(&HeapMemory, newest + CACHE_CYCLES);
+        assert_eq!(c.cached(), (0, 0));
+    }
+}

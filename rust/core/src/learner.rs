@@ -172,3 +172,162 @@ impl CycleLearner {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(need: usize, escaped: usize, spilled: usize, kept_in_arena: bool) -> CycleFacts {
+        CycleFacts { need, escaped, spilled, kept_in_arena }
+    }
+
+    /// One expected step: the facts of a cycle, the arena it ended with, and the sizing wanted
+    /// (as the need to map for, or `None` to keep).
+    type Step = (CycleFacts, usize, Option<usize>);
+
+    /// Runs `steps` through a learner over `c` (the arena is used) and checks every sizing.
+    fn check(case: &str, c: WorkspaceConfiguration, steps: &[Step]) {
+        let mut l = CycleLearner::new(&c);
+        for (i, &(f, current, want)) in steps.iter().enumerate() {
+            let got = l.end_cycle(&c, i as u64, f, current, true);
+            let want = match want {
+                Some(need) => Sizing::Map { capacity: capacity_for(&c, need), prefault: need },
+                None => Sizing::Keep,
+            };
+            assert_eq!(got, want, "{case}: cycle {i} with {f:?} over {current} bytes");
+        }
+    }
+
+    fn cfg(learning: LearningPolicy, spill: SpillPolicy) -> WorkspaceConfiguration {
+        WorkspaceConfiguration { policy_learning: learning, policy_spill: spill, ..Default::default() }
+    }
+
+    #[test]
+    fn the_policies_as_a_table() {
+        use LearningPolicy::{FirstLoop, OverTime};
+        use SpillPolicy::*;
+        const M: usize = 1 << 20;
+        let cases: Vec<(&str, WorkspaceConfiguration, Vec<Step>)> = vec![
+            (
+                "FIRST_LOOP sizes once from the first cycle, then never adapts",
+                cfg(FirstLoop, External),
+                vec![(facts(M, 0, 0, false), 0, Some(M)), (facts(3 * M, 0, M, false), 2 * M, None)],
+            ),
+            (
+                "what a learning cycle leaves live counts once more",
+                cfg(FirstLoop, External),
+                vec![(facts(M, M / 2, 0, false), 0, Some(M + M / 2))],
+            ),
+            (
+                "cycles_before_initialization learns that many cycles, and takes their largest need",
+                WorkspaceConfiguration { cycles_before_initialization: 3, ..cfg(FirstLoop, External) },
+                vec![
+                    (facts(M, 0, 0, false), 0, None),
+                    (facts(4 * M, 0, 0, false), 0, None),
+                    (facts(2 * M, 0, 0, false), 0, Some(4 * M)),
+                ],
+            ),
+            (
+                "OVER_TIME grows after a spill from an arena that held nothing kept, by what spilled",
+                cfg(OverTime, External),
+                vec![(facts(M, 0, 0, false), 0, Some(M)), (facts(M, 0, M, false), 2 * M, Some(3 * M))],
+            ),
+            (
+                "spills around kept blocks are fragmentation, not need: no growth beyond the need",
+                cfg(OverTime, External),
+                vec![(facts(M, 0, 0, false), 0, Some(M)), (facts(M, 0, M, true), 2 * M, None)],
+            ),
+            (
+                "OVER_TIME with FAIL never adapts (a spill is an error there)",
+                cfg(OverTime, Fail),
+                vec![(facts(M, 0, 0, false), 0, Some(M)), (facts(M, 0, M, false), 2 * M, None)],
+            ),
+            (
+                "REALLOCATE adapts whatever the learning policy",
+                cfg(FirstLoop, Reallocate),
+                vec![(facts(M, 0, 0, false), 0, Some(M)), (facts(2 * M, 0, M, false), 2 * M, Some(3 * M))],
+            ),
+            (
+                "NONE never learns: initialised from the start, it grows only by REALLOCATE's spills",
+                cfg(LearningPolicy::None, Reallocate),
+                vec![(facts(M, 0, 0, false), 0, None), (facts(M, 0, M, false), 4 * M, Some(5 * M))],
+            ),
+            (
+                "a cycle without spills never resizes an initialised arena",
+                cfg(OverTime, Reallocate),
+                vec![(facts(M, 0, 0, false), 0, Some(M)), (facts(8 * M, 0, 0, false), 2 * M, None)],
+            ),
+        ];
+        for (case, c, steps) in cases {
+            check(case, c, &steps);
+        }
+    }
+
+    #[test]
+    fn the_adaptive_profile_follows_the_window() {
+        let c = cfg(LearningPolicy::Adaptive, SpillPolicy::External);
+        let mut l = CycleLearner::new(&c);
+        let mut current = 0;
+        let step = |l: &mut CycleLearner, g: u64, need: usize, current: &mut usize| {
+            let s = l.end_cycle(&c, g, facts(need, 0, 0, false), *current, true);
+            if let Sizing::Map { capacity, .. } = s {
+                *current = capacity;
+            }
+            s
+        };
+        const M: usize = 1 << 20;
+        assert_eq!(step(&mut l, 0, M, &mut current), Sizing::Map { capacity: capacity_for(&c, M), prefault: M });
+        // An outlier grows it at once.
+        assert!(matches!(step(&mut l, 1, 16 * M, &mut current), Sizing::Map { .. }));
+        let grown = current;
+        assert_eq!(grown, capacity_for(&c, 16 * M));
+        // Small needs keep it while the outlier is in the window...
+        for g in 2..=NEED_WINDOW as u64 {
+            assert_eq!(step(&mut l, g, M, &mut current), Sizing::Keep, "cycle {g}");
+        }
+        // ...and shrink it once the outlier has left.
+        assert_eq!(
+            step(&mut l, NEED_WINDOW as u64 + 1, M, &mut current),
+            Sizing::Map { capacity: capacity_for(&c, M), prefault: M }
+        );
+        // A need a little smaller (the arena within a tenth of its target) never remaps; a larger
+        // one grows it at once.
+        assert_eq!(step(&mut l, NEED_WINDOW as u64 + 2, M - M / 20, &mut current), Sizing::Keep);
+        assert_eq!(l.need, M, "the window still holds the larger need");
+        assert!(matches!(step(&mut l, NEED_WINDOW as u64 + 3, M + M / 4, &mut current), Sizing::Map { .. }));
+    }
+
+    #[test]
+    fn capacity_follows_the_allocation_policy_and_the_limits() {
+        const M: usize = 1 << 20;
+        let over = WorkspaceConfiguration::default();
+        assert_eq!(capacity_for(&over, 10 * M), round_to_page(13 * M));
+        let strict = WorkspaceConfiguration { policy_allocation: AllocationPolicy::Strict, ..Default::default() };
+        assert_eq!(capacity_for(&strict, 10 * M), 10 * M);
+        // Large arenas are whole huge pages; the minimum and the initial size are floors.
+        assert_eq!(capacity_for(&strict, 65 * M + 1) % HUGE_PAGE, 0);
+        let floors = WorkspaceConfiguration { min_size: 8 * M as u64, ..strict.clone() };
+        assert_eq!(capacity_for(&floors, M), 8 * M);
+        let initial = WorkspaceConfiguration { initial_size: 3 * M as u64, ..strict.clone() };
+        assert_eq!(capacity_for(&initial, M), 3 * M);
+        // temp_block_size rounds it up; max_size caps it.
+        let blocks = WorkspaceConfiguration { temp_block_size: 3 * M as u64, ..strict.clone() };
+        assert_eq!(capacity_for(&blocks, 4 * M), 6 * M);
+        let capped = WorkspaceConfiguration { max_size: 5 * M as u64, ..strict };
+        assert_eq!(capacity_for(&capped, 9 * M), 5 * M);
+    }
+
+    #[test]
+    fn a_sizing_that_could_not_be_applied_is_tried_again() {
+        let c = cfg(LearningPolicy::FirstLoop, SpillPolicy::External);
+        let mut l = CycleLearner::new(&c);
+        assert!(matches!(l.end_cycle(&c, 0, facts(1 << 20, 0, 0, false), 0, true), Sizing::Map { .. }));
+        l.retry_later(&c);
+        assert!(!l.initialized);
+        assert!(matches!(l.end_cycle(&c, 1, facts(1 << 20, 0, 0, false), 0, true), Sizing::Map { .. }));
+        // Without an arena the learner learns, but maps nothing.
+        let mut off = CycleLearner::new(&c);
+        assert_eq!(off.end_cycle(&c, 0, facts(1 << 20, 0, 0, false), 0, false), Sizing::Keep);
+        assert!(off.initialized && off.need == 1 << 20);
+    }
+}

@@ -17,7 +17,7 @@
 //! `sanitizer` (AddressSanitizer's poisoning).
 
 mod accounts;
-pub mod arena;
+mod arena;
 pub mod backend;
 pub mod classes;
 pub mod config;
@@ -29,12 +29,13 @@ mod fallible;
 mod huge;
 mod learner;
 mod regions;
+pub mod release;
 pub mod reserve;
 mod sanitizer;
 pub mod workspace;
 
 pub use accounts::{CycleReport, WorkspaceStats};
-pub use arena::{ArenaRegion, BlockKind, HEADER};
+pub use arena::{slot_for, BlockKind, HEADER};
 pub use backend::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor, OpaqueMemory, BLOCK_ALIGN};
 pub use config::{
     parse_size, AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,

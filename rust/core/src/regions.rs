@@ -191,3 +191,69 @@ impl Regions {
         self.retired.retain(|r| r.live_blocks() > 0);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arena::HEADER;
+    use crate::backend::HeapMemory;
+    use crate::classes::{class_of, class_size};
+    use std::sync::Arc;
+
+    const CAP: usize = 64 << 10;
+
+    fn region(regions: &mut Regions) -> ArenaRegion {
+        ArenaRegion::new(regions.take_id(), 7, CAP, Arc::new(HeapMemory), true).expect("memory for a test region")
+    }
+
+    /// A block of `size` bytes from the current region: its data and header.
+    fn take(regions: &mut Regions, size: usize, generation: u64) -> (NonNull<u8>, NonNull<BlockHeader>) {
+        let class = class_of(size).unwrap();
+        let r = regions.current_mut().expect("a current region");
+        let (p, _, _) = r.take(class, class_size(class) + HEADER, size, generation).expect("room");
+        (p, r.header_at_data(p).expect("a header spot"))
+    }
+
+    #[test]
+    fn a_freed_block_is_the_next_of_its_class_and_the_region_rewinds() {
+        let mut regions = Regions::new();
+        let r = region(&mut regions);
+        regions.install(r, 4096);
+        assert_eq!((regions.take_prefault(), regions.take_prefault()), (4096, 0), "pre-faulted once");
+        let (p, h) = take(&mut regions, 1000, 0);
+        let (q, _) = take(&mut regions, 1000, 0);
+        assert_ne!(p, q);
+        let (hp, at) = regions.header_of(p).expect("in the region");
+        assert_eq!((hp, at), (h, InRegion::Current));
+        // SAFETY: the live header of a block of the current region.
+        unsafe { regions.release(h, InRegion::Current) };
+        let current = regions.current().unwrap();
+        assert_eq!(current.listed_bytes(), class_size(class_of(1000).unwrap()) + HEADER);
+        assert_eq!(take(&mut regions, 1000, 0).0, p, "the most recently freed block of the class");
+        assert_eq!(regions.live_blocks(), 2);
+        assert!(regions.contains(p.as_ptr() as usize) && !regions.contains(p.as_ptr() as usize + CAP));
+    }
+
+    #[test]
+    fn a_replaced_region_is_retired_while_blocks_live_and_released_with_the_last() {
+        let mut regions = Regions::new();
+        let first = region(&mut regions);
+        let first_id = first.id();
+        regions.install(first, 0);
+        let (p, h) = take(&mut regions, 5000, 0);
+        assert!(regions.reserve_retirement());
+        let second = region(&mut regions);
+        assert_ne!(second.id(), first_id, "ids are never reused");
+        regions.install(second, 0);
+        assert_eq!(regions.capacity(), 2 * CAP, "the old region stays under its live block");
+        let (found, at) = regions.header_of(p).expect("still found");
+        assert_eq!((found, at), (h, InRegion::Retired(0)));
+        assert_eq!(regions.get(at).id(), first_id);
+        // SAFETY: the live header of the retired region's one block.
+        unsafe { regions.release(h, at) };
+        assert_eq!(regions.capacity(), CAP, "released with its last block");
+        assert!(regions.header_of(p).is_none(), "an address of a released region is no block of ours");
+        regions.retire_all();
+        assert_eq!(regions.capacity(), 0, "an empty current region goes back at once");
+    }
+}

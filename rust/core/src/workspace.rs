@@ -9,7 +9,8 @@
 //! An allocation climbs one ladder ([`Workspace::alloc`]), in this order:
 //! 1. a block of its size class freed in the arena (the most recently freed: cache-hot), the
 //!    arena's bump hole, or a run of freed memory the arena's walk finds;
-//! 2. a bypass block, for requests under `helper_min_size` (and all of them in the bypass mode);
+//! 2. a bypass block, for requests under `helper_min_size` (all of them in the bypass mode, and
+//!    after `destroy`);
 //! 3. a refusal, where the spill policy is FAIL and the arena is sized;
 //! 4. for a huge request, a lazily faulted mapping of its own (reused from its cache);
 //! 5. a cached external block of its class (one freed outside the arena);
@@ -121,22 +122,55 @@ struct Cycles {
     spilled: usize,
     /// Whether blocks of earlier cycles were in the arena when the open cycle began.
     kept_in_arena: bool,
+    /// Whether the workspace was destroyed: no cycle opens again, and its memory goes back as
+    /// its last blocks die. The one place this is decided.
+    destroyed: bool,
+    /// Counters when the open cycle began: allocations, spills, arena capacity.
+    opened: (u64, u64, u64),
+    /// What the last close reported.
+    last: CycleReport,
 }
 
 /// One request on its way down the ladder.
 #[derive(Debug, Clone, Copy)]
 struct Request {
+    /// Bytes an arena block holds: what was asked for, and any padding an alignment needs.
     size: usize,
     class: usize,
-    /// Bytes the block occupies: its class size and a header.
+    /// Bytes the block occupies in the arena: its class size and a header.
     slot: usize,
     zeroed: bool,
+    /// Bytes a block outside the arena holds: `size`, or less where the backend's own blocks
+    /// are aligned as asked already (a device driver's) and need no padding.
+    outside: usize,
 }
 
 impl Request {
     fn new(size: usize, zeroed: bool) -> Option<Self> {
         let class = class_of(size)?;
-        Some(Request { size, class, slot: class_size(class) + HEADER, zeroed })
+        Some(Request { size, class, slot: class_size(class) + HEADER, zeroed, outside: size })
+    }
+
+    /// `size` bytes from an `align`-aligned address (`align` a power of two): arena blocks are
+    /// 64-byte aligned, so they carry `align - 64` bytes of padding; blocks of the backend's own
+    /// carry none where the backend aligns them to `own_align >= align` with their headers apart.
+    fn aligned(size: usize, align: usize, own_align: Option<usize>) -> Option<Self> {
+        let padded = size.checked_add(align.saturating_sub(BLOCK_ALIGN))?;
+        let mut req = Request::new(padded, false)?;
+        if own_align.is_some_and(|a| a >= align) {
+            class_of(size)?;
+            req.outside = size;
+        }
+        Some(req)
+    }
+
+    /// The request a block outside the arena serves.
+    fn outside(self) -> Self {
+        if self.outside == self.size {
+            return self;
+        }
+        let class = class_of(self.outside).expect("smaller than a request that has a class");
+        Request { size: self.outside, class, slot: class_size(class) + HEADER, ..self }
     }
 }
 
@@ -148,9 +182,8 @@ pub struct Workspace {
     token: u64,
     config: WorkspaceConfiguration,
     route: Route,
-    /// The memory source, and the limit every mapping and block passes (`max_size`; none: the
+    /// The memory source under the limit every mapping and block passes (`max_size`; none: the
     /// largest `usize`): what it holds is the workspace's footprint.
-    upstream: Arc<dyn Backend>,
     limit: Arc<LimitAdaptor>,
     regions: Regions,
     own: OwnBlocks,
@@ -158,11 +191,6 @@ pub struct Workspace {
     cycles: Cycles,
     learner: CycleLearner,
     accounts: Accounts,
-    /// The one truth of whether the workspace was destroyed.
-    destroyed: bool,
-    /// Frees of pointers that are no live block of this workspace (double frees, foreign
-    /// pointers): ignored, and counted.
-    bad_frees: u64,
 }
 
 // SAFETY: a workspace exclusively owns its regions, its blocks' headers and its caches; every
@@ -207,14 +235,11 @@ impl Workspace {
             learner: CycleLearner::new(&config),
             config,
             own,
-            upstream: backend,
             limit,
             regions: Regions::new(),
             huge: HugeCache::default(),
             cycles: Cycles::default(),
             accounts: Accounts::default(),
-            destroyed: false,
-            bad_frees: 0,
         };
         if ws.config.initial_size > 0 && ws.route.arena {
             // Nothing was learned yet: the pages fault in as cycles first touch them.
@@ -239,7 +264,7 @@ impl Workspace {
 
     /// The memory source (under the workspace's limit).
     pub fn backend(&self) -> &Arc<dyn Backend> {
-        &self.upstream
+        self.limit.upstream()
     }
 
     /// The debug mode in force (the environment overrides the configuration).
@@ -262,7 +287,7 @@ impl Workspace {
     }
 
     pub fn is_destroyed(&self) -> bool {
-        self.destroyed
+        self.cycles.destroyed
     }
 
     /// Completed cycles.
@@ -299,9 +324,12 @@ impl Workspace {
         self.limit.limit()
     }
 
-    fn check_alive(&self) -> Result<(), Error> {
-        if self.destroyed {
-            Err(Error::Destroyed { workspace: self.name.clone() })
+    /// `Err(Destroyed)` once the workspace was destroyed: the one place that decides what a
+    /// destroyed workspace refuses (opening cycles and sizing; bindings ask it before explicit
+    /// allocations). Frees go on working, and allocations are served outside its accounts.
+    pub fn check_alive(&self) -> Result<(), Error> {
+        if self.cycles.destroyed {
+            Err(Error::destroyed(&self.name))
         } else {
             Ok(())
         }
@@ -480,12 +508,24 @@ impl Workspace {
             self.cycles.spilled = 0;
             self.cycles.kept_in_arena = self.regions.current().is_some_and(|r| r.live_blocks() > 0);
             self.own.peaks.open_cycle(self.accounts.external_slot);
+            self.mark_cycle_start();
             if self.regions.has_pending_prefault() {
                 self.prefault_now();
             }
         }
         self.cycles.active += 1;
         Ok(())
+    }
+
+    /// Counts the next cycle report from here.
+    fn mark_cycle_start(&mut self) {
+        let a = &self.accounts;
+        self.cycles.opened = (a.allocations, a.spills, self.regions.capacity() as u64);
+    }
+
+    /// What the cycle that closed last did (escapes, spills, the arena's size before and after).
+    pub fn last_cycle(&self) -> CycleReport {
+        self.cycles.last
     }
 
     /// Nests a level in an open cycle.
@@ -533,7 +573,7 @@ impl Workspace {
             return Err(Error::NotOpen { workspace: self.name.clone(), operation: "exit" });
         }
         self.cycles.active -= 1;
-        if self.destroyed {
+        if self.cycles.destroyed {
             return Ok(CycleReport::default());
         }
         if self.cycles.active == 0 {
@@ -557,27 +597,41 @@ impl Workspace {
             // and what the block allocator keeps of the others, would only add to the arena.
             self.own.shrink_to(0);
             if self.own.peaks.made >= TRIM_AFTER {
-                self.upstream.trim();
+                self.limit.upstream().trim();
             }
         }
         self.huge.release_stale(&*self.limit, self.cycles.completed);
         self.settle_external_cache();
         self.cycles.spilled = 0;
+        let (allocations, spills, arena_before) = self.cycles.opened;
+        let mut report = CycleReport {
+            completed: true,
+            cycle: self.cycles.completed - 1,
+            allocations: self.accounts.allocations - allocations,
+            spills: self.accounts.spills - spills,
+            peak_bytes: self.accounts.cycle_peak,
+            arena_before,
+            arena_after: self.regions.capacity() as u64,
+            ..CycleReport::default()
+        };
         if self.cycles.active > 0 {
             // Other cycles are still open: nothing rewinds and nothing is pinned yet; the next
             // close learns from what happens from here on.
             self.accounts.open_cycle();
             self.own.peaks.open_cycle(self.accounts.external_slot);
-            return Ok(CycleReport { completed: true, escaped_blocks: 0, escaped_bytes: 0 });
-        }
-        if self.route.lists {
-            if let Some(r) = self.regions.current_mut() {
-                r.rewind();
+        } else {
+            if self.route.lists {
+                if let Some(r) = self.regions.current_mut() {
+                    r.rewind();
+                }
             }
+            self.cycles.epoch += 1;
+            (report.escaped_blocks, report.escaped_bytes) = self.accounts.close_cycle(live_blocks);
         }
-        self.cycles.epoch += 1;
-        let (escaped_blocks, escaped_bytes) = self.accounts.close_cycle(live_blocks);
-        Ok(CycleReport { completed: true, escaped_blocks, escaped_bytes })
+        report.pinned_bytes = self.accounts.pinned;
+        self.mark_cycle_start();
+        self.cycles.last = report;
+        Ok(report)
     }
 
     /// At a cycle end, the external cache keeps what recent cycles used outside the arena, and
@@ -595,7 +649,9 @@ impl Workspace {
 
     // -- the ladder --------------------------------------------------------------------------------
 
-    /// Allocates `size` bytes, 64-byte aligned, under the workspace's policies.
+    /// Allocates `size` bytes, 64-byte aligned, under the workspace's policies; once the
+    /// workspace is destroyed, outside its accounts (a bypass block), so that code still running
+    /// keeps working.
     #[inline]
     pub fn alloc(&mut self, size: usize) -> Result<NonNull<u8>, Error> {
         self.alloc_in(size, false)
@@ -637,21 +693,11 @@ impl Workspace {
         if !align.is_power_of_two() || align > round_to_page(1) {
             return Err(self.refuse(size, "alignment not a power of two up to a page"));
         }
-        let pad = align.saturating_sub(BLOCK_ALIGN);
-        let padded = size.checked_add(pad).and_then(|n| Request::new(n, false));
-        let (Some(padded), Some(exact)) = (padded, Request::new(size, false)) else {
+        let own_align = (!self.route.host).then(|| self.limit.upstream().block_align());
+        let Some(req) = Request::aligned(size, align, own_align) else {
             return Err(self.refuse(size, "request too large"));
         };
-        if pad == 0 || self.route.host || self.upstream.block_align() < align {
-            return self.climb(padded);
-        }
-        // Blocks outside the arena come from the driver, aligned: only arena blocks are padded.
-        if (padded.size as u64) >= self.route.bypass_below {
-            if let Some(p) = self.carve_arena(padded) {
-                return Ok(p);
-            }
-        }
-        self.alloc_outside(exact)
+        self.climb(req)
     }
 
     /// Rung 1: a block from the current region, if it has one.
@@ -677,8 +723,10 @@ impl Workspace {
     /// Rungs 2 to 6: outside the arena.
     #[cold]
     fn alloc_outside(&mut self, req: Request) -> Result<NonNull<u8>, Error> {
-        self.check_alive()?;
-        if (req.size as u64) < self.route.bypass_below {
+        let req = req.outside();
+        if (req.size as u64) < self.route.bypass_below || self.cycles.destroyed {
+            // Code still running after `destroy` (an array NumPy resizes, a handler still
+            // installed) is served outside the workspace.
             return self.bypass_block(req);
         }
         let spill = (self.learner.initialized && self.route.spills) || self.route.spill_all;
@@ -744,7 +792,7 @@ impl Workspace {
     }
 
     /// Rung 2: a block outside the workspace's accounts and limit (`helper_min_size`, the bypass
-    /// mode, and callers that must keep working after `destroy`).
+    /// mode, and code still running after `destroy`).
     fn bypass_block(&mut self, req: Request) -> Result<NonNull<u8>, Error> {
         let epoch = self.cycles.epoch;
         self.own
@@ -759,7 +807,7 @@ impl Workspace {
     fn alloc_huge(&mut self, req: Request) -> Result<NonNull<u8>, Error> {
         let len = round_to_page(req.slot);
         self.own.reserve(len).map_err(|cause| self.system_refused(req.size, cause))?;
-        let reusable = !req.zeroed || self.upstream.discard_zeroes();
+        let reusable = !req.zeroed || self.limit.upstream().discard_zeroes();
         let (at, len) = match reusable.then(|| self.huge.take(len)).flatten() {
             Some((at, len)) => {
                 if req.zeroed {
@@ -785,16 +833,6 @@ impl Workspace {
         Ok(p)
     }
 
-    /// Allocates outside the workspace's arena, accounts and limit (a bypass block), whatever
-    /// its state: for callers that must keep working after `destroy`. Freed with
-    /// [`Workspace::free`].
-    pub fn alloc_unaccounted(&mut self, size: usize, zeroed: bool) -> Result<NonNull<u8>, Error> {
-        let Some(req) = Request::new(size, zeroed) else {
-            return Err(self.refuse(size, "request too large"));
-        };
-        self.bypass_block(req)
-    }
-
     // -- frees -------------------------------------------------------------------------------------
 
     /// Where the header of `p` lies, if `p` is a block boundary of this workspace's memory: an
@@ -816,13 +854,13 @@ impl Workspace {
     /// frees that block: as with every allocator, a second free is the caller's error.)
     ///
     /// # Safety
-    /// `p` was returned by `alloc`, `alloc_zeroed`, `alloc_aligned`, `alloc_unaccounted` or
+    /// `p` was returned by `alloc`, `alloc_zeroed`, `alloc_aligned` or
     /// `realloc` of this workspace, and is not used after this call.
     #[inline(always)]
     pub unsafe fn free(&mut self, p: NonNull<u8>) {
         // SAFETY: forwarded.
         if !unsafe { self.free_if_ours(p) } {
-            self.bad_frees += 1;
+            self.accounts.bad_frees += 1;
         }
     }
 
@@ -932,7 +970,7 @@ impl Workspace {
                 // SAFETY: a huge block's mapping starts at its header and is `slot` bytes long;
                 // the caller gives the block up.
                 let at = unsafe { p.sub(HEADER) };
-                if self.destroyed {
+                if self.cycles.destroyed {
                     // SAFETY: as above.
                     unsafe { self.limit.unmap(at, slot) };
                 } else {
@@ -945,7 +983,7 @@ impl Workspace {
                     self.accounts.unpin(size, slot);
                 }
                 self.accounts.uncount_external(size, slot);
-                if self.route.caches && !self.destroyed {
+                if self.route.caches && !self.cycles.destroyed {
                     // SAFETY: the caller gives the block up; it is put once.
                     unsafe { self.own.put_cached(p, slot, self.cycles.completed) };
                 } else {
@@ -972,13 +1010,13 @@ impl Workspace {
         // SAFETY: forwarded.
         let found = unsafe { self.find_block(p) }.and_then(|_| self.locate(p)).map(|(h, _)| h);
         let Some(hp) = found else {
-            self.bad_frees += 1;
+            self.accounts.bad_frees += 1;
             return Err(self.refuse(new_size, "not a live block of this workspace"));
         };
         // SAFETY: a live header of ours; the borrow ends before the block can be freed below.
         let h = unsafe { &mut *hp.as_ptr() };
         let old = h.requested;
-        if h.kind == BlockKind::Arena && crate::arena::slot_for(new_size) == Some(h.slot) && !self.destroyed {
+        if h.kind == BlockKind::Arena && crate::arena::slot_for(new_size) == Some(h.slot) && !self.cycles.destroyed {
             h.requested = new_size;
             let (o, n) = (old as u64, new_size as u64);
             self.accounts.used = self.accounts.used + n - o;
@@ -989,7 +1027,7 @@ impl Workspace {
             self.accounts.cycle_peak = self.accounts.cycle_peak.max(live);
             return Ok(p);
         }
-        let q = if self.destroyed { self.alloc_unaccounted(new_size, false)? } else { self.alloc(new_size)? };
+        let q = self.alloc(new_size)?;
         // SAFETY: both blocks are live, distinct, of this backend, and valid for the bytes copied.
         if let Err(cause) = unsafe { self.limit.copy(q, p, old.min(new_size)) } {
             // A copy the device refused: the old block stays the caller's, with its contents.
@@ -1014,7 +1052,7 @@ impl Workspace {
     /// Destroys the workspace: unreferenced memory is released now, memory under live blocks
     /// when its last block is freed. Idempotent.
     pub fn destroy(&mut self) {
-        self.destroyed = true;
+        self.cycles.destroyed = true;
         self.cycles.active = 0;
         self.cycles.nesting = 0;
         // The current region retires like one replaced by growth: kept while blocks live in it.
@@ -1057,7 +1095,7 @@ impl Workspace {
 
     /// Frees of pointers that were no live block of this workspace, ignored.
     pub fn bad_frees(&self) -> u64 {
-        self.bad_frees
+        self.accounts.bad_frees
     }
 
     /// Checks every region's chain and lists against the counters, and the footprint against
@@ -1100,5 +1138,103 @@ impl Workspace {
     /// The header size every block carries, for callers sizing arenas by hand.
     pub const fn header_bytes() -> usize {
         HEADER
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::HeapMemory;
+    use crate::config::LearningPolicy;
+
+    fn heap(config: WorkspaceConfiguration) -> Workspace {
+        Workspace::with_backend("T", config, Arc::new(HeapMemory)).expect("a workspace")
+    }
+
+    #[test]
+    fn aligned_requests_pad_arena_blocks_only() {
+        // Host memory: arena blocks and blocks of their own both carry the padding.
+        let r = Request::aligned(1000, 256, None).unwrap();
+        assert_eq!((r.size, r.outside), (1000 + 192, 1000 + 192));
+        // A backend aligning its own blocks to 256: only the arena's carry it.
+        let r = Request::aligned(1000, 256, Some(256)).unwrap();
+        assert_eq!((r.size, r.outside), (1192, 1000));
+        let out = r.outside();
+        assert_eq!((out.size, out.class), (1000, class_of(1000).unwrap()));
+        assert_eq!(out.slot, class_size(out.class) + HEADER);
+        // Alignment the backend does not give: padded everywhere; at most 64: no padding.
+        assert_eq!(Request::aligned(1000, 512, Some(256)).unwrap().outside, 1000 + 448);
+        assert_eq!(Request::aligned(1000, 64, None).unwrap().size, 1000);
+        assert!(Request::aligned(usize::MAX - 10, 256, None).is_none());
+    }
+
+    #[test]
+    fn the_route_is_fixed_by_the_policies() {
+        let plain = Route::new(&WorkspaceConfiguration::default(), DebugMode::Disabled, &HeapMemory);
+        assert!(plain.arena && plain.caches && plain.spills && !plain.fail_spills && !plain.spill_all);
+        let always = WorkspaceConfiguration { policy_allocation: AllocationPolicy::Always, ..Default::default() };
+        let r = Route::new(&always, DebugMode::Disabled, &HeapMemory);
+        assert!(!r.arena && !r.caches && !r.spills);
+        let fail = WorkspaceConfiguration { policy_spill: SpillPolicy::Fail, ..Default::default() };
+        assert!(Route::new(&fail, DebugMode::Disabled, &HeapMemory).fail_spills);
+        assert!(!Route::new(&fail, DebugMode::SpillEverything, &HeapMemory).fail_spills, "debug modes never refuse");
+        assert_eq!(Route::new(&fail, DebugMode::BypassEverything, &HeapMemory).bypass_below, u64::MAX);
+        let small = WorkspaceConfiguration { helper_min_size: 4096, ..Default::default() };
+        assert_eq!(Route::new(&small, DebugMode::Disabled, &HeapMemory).bypass_below, 4096);
+    }
+
+    #[test]
+    fn each_close_reports_what_its_cycle_did() {
+        let mut w = heap(WorkspaceConfiguration {
+            policy_learning: LearningPolicy::OverTime,
+            policy_allocation: AllocationPolicy::Strict,
+            ..Default::default()
+        });
+        // The learning cycle: served outside, then the arena is mapped.
+        w.enter().unwrap();
+        let a = w.alloc(10_000).unwrap();
+        // SAFETY: live, freed once.
+        unsafe { w.free(a) };
+        let r = w.exit().unwrap();
+        assert!(r.completed && r.remapped() && r.arena_before == 0 && r.arena_after > 0, "{r:?}");
+        assert_eq!((r.cycle, r.allocations, r.spills, r.peak_bytes), (0, 1, 0, 10_000));
+        assert_eq!(r, w.last_cycle());
+        // A cycle the arena serves: nothing changes.
+        w.enter().unwrap();
+        let a = w.alloc(10_000).unwrap();
+        // SAFETY: live, freed once.
+        unsafe { w.free(a) };
+        let r = w.exit().unwrap();
+        assert!(!r.remapped() && r.spills == 0 && r.cycle == 1 && r.allocations == 1, "{r:?}");
+        // A cycle that spills, and keeps what it made: the arena grows, the block is pinned.
+        w.enter().unwrap();
+        let big = w.alloc(1 << 20).unwrap();
+        let r = w.exit().unwrap();
+        assert!(r.remapped() && r.arena_after > r.arena_before && r.spills == 1, "{r:?}");
+        assert_eq!((r.escaped_blocks, r.escaped_bytes, r.pinned_bytes), (1, 1 << 20, 1 << 20));
+        // A nested level reports nothing; its close is not a cycle.
+        w.enter().unwrap();
+        w.enter().unwrap();
+        assert_eq!(w.exit().unwrap(), CycleReport::default());
+        // SAFETY: live, freed once.
+        unsafe { w.free(big) };
+        let r = w.exit().unwrap();
+        assert_eq!((r.cycle, r.pinned_bytes, r.escaped_blocks), (3, 0, 0));
+        w.verify();
+    }
+
+    #[test]
+    fn a_destroyed_workspace_serves_outside_its_accounts() {
+        let mut w = heap(WorkspaceConfiguration { initial_size: 1 << 16, ..Default::default() });
+        w.destroy();
+        assert!(matches!(w.check_alive(), Err(Error::Destroyed { .. })));
+        assert!(matches!(w.enter(), Err(Error::Destroyed { .. })));
+        let p = w.alloc_aligned(100, 256).unwrap();
+        // SAFETY: live, of this workspace.
+        assert_eq!(unsafe { w.block_info(p) }.kind, BlockKind::Bypass);
+        assert_eq!(w.stats().allocation_count, 0);
+        // SAFETY: live, freed once.
+        unsafe { w.free(p) };
+        assert_eq!(w.bad_frees(), 0, "the block was found and freed");
     }
 }

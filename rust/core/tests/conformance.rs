@@ -252,8 +252,16 @@ fn destroying_with_live_blocks_keeps_their_memory() {
         w.exit().unwrap();
         w.destroy();
         w.destroy();
-        assert!(matches!(w.alloc(1), Err(Error::Destroyed { .. })));
         assert!(matches!(w.enter(), Err(Error::Destroyed { .. })));
+        assert!(matches!(w.check_alive(), Err(Error::Destroyed { .. })));
+        // Code still running after `destroy` is served outside the workspace's accounts.
+        let before = w.stats();
+        let q = w.alloc(100).unwrap();
+        // SAFETY: live, of this workspace.
+        assert_eq!(unsafe { w.block_info(q) }.kind, BlockKind::Bypass, "{name}");
+        assert_eq!(w.stats(), before, "{name}: a block after destroy is counted");
+        // SAFETY: live, freed once.
+        unsafe { w.free(q) };
         assert!(intact(p.as_ptr(), 4096, 5), "{name}");
         assert!(w.stats().capacity_bytes > 0, "{name}: memory under a live block released");
         // SAFETY: live, freed once.

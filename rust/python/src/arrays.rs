@@ -7,10 +7,10 @@ use numpy::{PyArrayDescr, PyArrayDescrMethods, PY_ARRAY_API};
 use pyo3::exceptions::{PyMemoryError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyString, PyTuple};
-use rustws_core::Error;
 
 use crate::errors::to_py;
-use crate::handler::{self, Shared};
+use crate::handler;
+use crate::shared::{self, Shared};
 
 fn type_name(v: &Bound<'_, PyAny>) -> String {
     v.get_type().name().map(|n| n.to_string()).unwrap_or_default()
@@ -182,9 +182,7 @@ pub(crate) fn new_array<'py>(
         "F" | "f" => 1,
         other => return Err(PyValueError::new_err(format!("order must be 'C' or 'F', got {other:?}"))),
     };
-    if shared.is_destroyed() {
-        return Err(to_py(py, Error::Destroyed { workspace: shared.name.clone() }));
-    }
+    shared.check_alive().map_err(|e| to_py(py, e))?;
     if !shared.host_accessible {
         return Err(PyTypeError::new_err(format!(
                 "workspace {:?} holds device memory: NumPy arrays cannot live in it (device workspaces return DeviceArrays)",
@@ -202,7 +200,7 @@ pub(crate) fn new_array<'py>(
         None => true,
     };
     let previous = if swap { Some(handler::set_handler(py, wanted)?) } else { None };
-    handler::take_last_refusal();
+    shared::take_last_refusal();
     let nd = dims.len() as std::ffi::c_int;
     // SAFETY: `dims` holds `nd` dimensions and outlives the call; the descriptor reference is
     // stolen by NumPy, as both functions document.
@@ -220,7 +218,7 @@ pub(crate) fn new_array<'py>(
     }
     match result {
         Ok(a) => Ok(a),
-        Err(e) if e.is_instance_of::<PyMemoryError>(py) => match handler::take_last_refusal() {
+        Err(e) if e.is_instance_of::<PyMemoryError>(py) => match shared::take_last_refusal() {
             Some(refusal) => Err(to_py(py, refusal)),
             None => Err(e),
         },

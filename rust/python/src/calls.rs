@@ -65,7 +65,7 @@ pub(crate) fn call_method<'py>(
 pub(crate) struct Names {
     pub after_cycle: Py<PyString>,
     pub value: Py<PyString>,
-    /// The configuration's fields, in the order of `config::FIELDS`.
+    /// The configuration's fields, in the order of `WorkspaceConfiguration::FIELDS`.
     pub fields: Vec<Py<PyString>>,
 }
 
@@ -76,7 +76,7 @@ pub(crate) fn init(py: Python<'_>) -> PyResult<()> {
     NAMES.get_or_init(py, || Names {
         after_cycle: PyString::intern(py, "_after_cycle").unbind(),
         value: PyString::intern(py, "value").unbind(),
-        fields: crate::config::FIELDS.iter().map(|f| PyString::intern(py, f).unbind()).collect(),
+        fields: rustws_core::WorkspaceConfiguration::FIELDS.iter().map(|f| PyString::intern(py, f).unbind()).collect(),
     });
     Ok(())
 }

@@ -47,25 +47,7 @@ fn policy_field<T: std::str::FromStr<Err = String>>(d: &Bound<'_, PyDict>, field
     text.to_str()?.parse::<T>().map(Some).map_err(|m| field_error(field, m))
 }
 
-pub(crate) const FIELDS: &[&str] = &[
-    "initial_size",
-    "min_size",
-    "max_size",
-    "overallocation_limit",
-    "cycles_before_initialization",
-    "policy_allocation",
-    "policy_learning",
-    "policy_spill",
-    "policy_reset",
-    "policy_mirroring",
-    "policy_location",
-    "temp_file_path",
-    "temp_block_size",
-    "helper_min_size",
-    "helper_allow_fallback",
-    "use_cycle_detector",
-    "debug_mode",
-];
+const FIELDS: [&str; 17] = WorkspaceConfiguration::FIELDS;
 
 /// Builds and validates a core configuration from a dict of the contract's fields.
 pub(crate) fn config_from_dict(d: &Bound<'_, PyDict>) -> PyResult<WorkspaceConfiguration> {

@@ -12,13 +12,15 @@ use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 
-use crate::scope::{self, ScopeState};
-use crate::WorkspaceCore;
+use crate::scope;
+use crate::shared::ScopeState;
+use crate::state::CoreState;
 
 /// The iterator `Workspace.cycles(iterable)` returns.
 #[pyclass(module = "rustws._rustws", frozen)]
 pub(crate) struct Cycles {
     ws: Py<PyAny>,
+    core: Arc<CoreState>,
     items: Py<pyo3::types::PyIterator>,
     /// Never held while Python runs (the iterable's next item, a report at a cycle end).
     loop_state: Mutex<LoopState>,
@@ -35,9 +37,10 @@ struct LoopState {
 }
 
 impl Cycles {
-    pub(crate) fn new(ws: &Bound<'_, WorkspaceCore>, iterable: &Bound<'_, PyAny>) -> PyResult<Self> {
+    /// The loop over `iterable` of the workspace `ws`, whose state is `core`.
+    pub(crate) fn new(ws: &Bound<'_, PyAny>, core: Arc<CoreState>, iterable: &Bound<'_, PyAny>) -> PyResult<Self> {
         let items = iterable.try_iter()?.unbind();
-        Ok(Cycles { ws: ws.clone().into_any().unbind(), items, loop_state: Mutex::new(LoopState::default()) })
+        Ok(Cycles { ws: ws.clone().unbind(), core, items, loop_state: Mutex::new(LoopState::default()) })
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, LoopState> {
@@ -53,7 +56,7 @@ impl Cycles {
         };
         let Some(scope) = scope else { return Ok(()) };
         let ws = self.ws.bind(py);
-        let core = ws.cast::<WorkspaceCore>()?.get();
+        let core = &self.core;
         if open {
             return core.exit_state(py, ws, &scope, clean);
         }
@@ -81,7 +84,7 @@ impl Cycles {
             }
         };
         let ws = self.ws.bind(py).clone();
-        let core = ws.cast::<WorkspaceCore>()?.get();
+        let core = &self.core;
         if let Some(scope) = ending {
             core.end_iteration(py, &ws, &scope)?;
         }

@@ -19,10 +19,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::arrays::{extract_descr, extract_shape};
-use crate::device::Block;
+use crate::device::{Block, Memory};
 use crate::dlpack::dlpack_capsule;
 use crate::errors::{self, to_py};
-use crate::{dispose, handler, WorkspaceCore};
+use crate::{dispose, handler};
 
 const KDL_CPU: i32 = 1;
 const KDL_CUDA: i32 = 2;
@@ -829,22 +829,18 @@ pub(crate) fn wrap_host<'py>(
     register(py, array, scope)
 }
 
-/// `empty` / `zeros` of a device workspace: a `DeviceArray` over a new block (device memory)
-/// or over a new host array of the workspace (host memory).
+/// `empty` / `zeros` of a device workspace whose arrays live in device memory: a `DeviceArray`
+/// over a new block of `memory`, the memory of `workspace`.
 pub(crate) fn new_device_array<'py>(
-    slf: &Bound<'py, WorkspaceCore>,
+    workspace: &Bound<'py, PyAny>,
+    memory: &Arc<Memory>,
     side: &DeviceSide,
     shape: &Bound<'py, PyAny>,
     dtype: Option<&Bound<'py, PyAny>>,
     order: &str,
     zeroed: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let py = slf.py();
-    let me = slf.get();
-    if !side.on_device {
-        let host = me.new_array(py, shape, dtype, order, zeroed)?;
-        return wrap_host(py, &host, slf.as_any(), side.name.to_str(py)?).map(Bound::into_any);
-    }
+    let py = workspace.py();
     let (shape, size) = shape_tuple(py, shape)?;
     let descr = match dtype {
         Some(d) if d.is_instance_of::<PyArrayDescr>() => {
@@ -863,16 +859,14 @@ pub(crate) fn new_device_array<'py>(
         .checked_mul(itemsize)
         .filter(|n| *n <= isize::MAX as usize)
         .ok_or_else(|| PyValueError::new_err("array is too big"))?;
-    if me.shared.is_destroyed() {
-        return Err(to_py(py, rustws_core::Error::Destroyed { workspace: me.shared.name.clone() }));
-    }
-    let block = me.new_block(py, nbytes, zeroed)?;
+    memory.shared.check_alive().map_err(|e| to_py(py, e))?;
+    let block = Block::new_py(py, memory, nbytes, zeroed)?;
     let (thread, scope) = dispose::state(py);
     let array = DeviceArray {
         block: Held::Own(block),
         host: None,
         mirror: None,
-        workspace: slf.clone().into_any().unbind(),
+        workspace: workspace.clone().unbind(),
         device: side.name.clone_ref(py),
         dl: side.dl,
         shape: shape.unbind(),

@@ -12,38 +12,30 @@
 //! otherwise leave it to the next call that has a token (or to the next device allocation).
 //!
 //! A block a consumer used on another stream goes back to the workspace only once that stream's
-//! work submitted before the release has completed ([`PendingReleases`]); the arena may then hand
-//! it out at once, to any stream. No stream handle is kept past the call that named it, since its
-//! owner may destroy the stream meanwhile (CuPy's `with Stream():`): a stream declared at export
-//! (`__dlpack__(stream=)`, CuPy's allocation) is classified then, while valid. Streams the legacy
-//! default stream orders (the default streams, and streams made without `CU_STREAM_NON_BLOCKING`)
-//! are followed by an event recorded on the legacy stream at release; a non-blocking stream can
-//! only be waited for by synchronising the device at release. A stream named at the release
-//! itself (PyTorch's allocator free) gets its event recorded on it there and then.
+//! work submitted before the release has completed: the core's `release` module orders it; this
+//! module tells it where blocks go back and whether the thread may block on the driver.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use rustws_core::cuda::{CudaMemory, DeferredRelease, StreamEvent};
+use rustws_core::cuda::{CudaMemory, DeferredRelease};
+use rustws_core::release::{PendingReleases, ReleaseOrder};
 use rustws_core::{Backend, Error};
 
 use crate::arrays::ArrayFields;
 use crate::errors::to_py;
-use crate::handler::Shared;
-use crate::WorkspaceCore;
+use crate::shared::Shared;
 
 /// Device buffers start at this alignment (what `cudaMalloc` guarantees and CUDA libraries
 /// expect); arena blocks are 64-byte aligned, so they carry the difference (blocks of their own
 /// from the driver are aligned already, and carry nothing).
 pub(crate) const DEVICE_ALIGN: usize = 256;
-const SLACK: usize = DEVICE_ALIGN - rustws_core::BLOCK_ALIGN;
 
 fn align_up(p: usize) -> usize {
     (p + DEVICE_ALIGN - 1) & !(DEVICE_ALIGN - 1)
@@ -65,75 +57,6 @@ fn certainly_detached() -> bool {
     unsafe { PyGILState_Check() == 0 }
 }
 
-/// Blocks a consumer released on another stream, waiting for that stream's work to pass.
-struct PendingRelease {
-    shared: Arc<Shared>,
-    raw: usize,
-    events: Vec<StreamEvent>,
-}
-
-/// The stream-ordered releases of one device workspace (see the module docs).
-pub(crate) struct PendingReleases {
-    cuda: Arc<CudaMemory>,
-    list: Mutex<Vec<PendingRelease>>,
-    /// Whether `list` holds anything: read without its lock on every allocation.
-    any: AtomicBool,
-}
-
-impl PendingReleases {
-    fn push(&self, release: PendingRelease) {
-        lock(&self.list).push(release);
-        self.any.store(true, Ordering::Release);
-    }
-
-    /// Gives back every block whose events have completed (all of them when `wait`).
-    pub(crate) fn settle(&self, wait: bool) {
-        if !self.any.load(Ordering::Acquire) {
-            return;
-        }
-        let done: Vec<PendingRelease> = {
-            let mut list = lock(&self.list);
-            let mut done = Vec::new();
-            let mut i = 0;
-            while i < list.len() {
-                let passed = list[i].events.iter().all(|e| {
-                    if wait {
-                        self.cuda.wait(e);
-                    }
-                    self.cuda.is_complete(e)
-                });
-                if passed {
-                    done.push(list.swap_remove(i));
-                } else {
-                    i += 1;
-                }
-            }
-            self.any.store(!list.is_empty(), Ordering::Release);
-            done
-        };
-        for r in done {
-            for e in r.events {
-                self.cuda.destroy_event(e);
-            }
-            if let Some(p) = NonNull::new(r.raw as *mut u8) {
-                // SAFETY: `raw` is a live block of this workspace whose last owner released it
-                // into this list; it leaves the list once.
-                unsafe { r.shared.lock().free(p) };
-            }
-        }
-    }
-}
-
-impl Drop for PendingReleases {
-    fn drop(&mut self) {
-        self.any.store(true, Ordering::Release);
-        self.settle(true);
-        if self.cuda.has_deferred() && certainly_detached() {
-            self.cuda.reclaim();
-        }
-    }
-}
-
 /// The memory of a workspace: the workspace itself, its backend and, for CUDA devices, the
 /// device (for stream ordering and memory queries). Shared by the workspace and its blocks.
 pub(crate) struct Memory {
@@ -143,7 +66,7 @@ pub(crate) struct Memory {
     /// A backend whose driver releases wait for [`reclaim`].
     pub(crate) deferred: Option<Arc<dyn DeferredRelease>>,
     /// Stream-ordered releases (CUDA devices only).
-    pub(crate) pending: Option<Arc<PendingReleases>>,
+    pub(crate) pending: Option<PendingReleases<CudaMemory>>,
 }
 
 /// What a workspace's memory is, before the workspace exists (see [`Memory`]).
@@ -169,7 +92,13 @@ impl Source {
     /// The memory of the workspace `shared` over this source.
     pub(crate) fn into_memory(self, shared: Arc<Shared>) -> Arc<Memory> {
         let pending = self.cuda.as_ref().map(|gpu| {
-            Arc::new(PendingReleases { cuda: gpu.clone(), list: Mutex::new(Vec::new()), any: AtomicBool::new(false) })
+            let to = shared.clone();
+            let free = Box::new(move |p: NonNull<u8>| {
+                // SAFETY: a pending block is a live block of this workspace whose last owner
+                // released it into the list; it leaves the list once.
+                unsafe { to.lock().free(p) }
+            });
+            PendingReleases::new(gpu.clone(), free, certainly_detached)
         });
         Arc::new(Memory { shared, backend: self.backend, cuda: self.cuda, deferred: self.deferred, pending })
     }
@@ -199,25 +128,16 @@ fn reclaim_detached(memory: &Memory) {
 /// Allocates `nbytes` at [`DEVICE_ALIGN`] from the workspace; returns (block, aligned pointer).
 pub(crate) fn alloc_aligned(memory: &Memory, nbytes: usize) -> Result<(NonNull<u8>, usize), Error> {
     let shared = &memory.shared;
-    let Some(request) = nbytes.max(1).checked_add(SLACK) else {
-        return Err(shared.lock().refusal(u64::MAX, "request too large"));
-    };
     if let Some(p) = &memory.pending {
         p.settle(false);
     }
-    let attempt = || {
-        let mut ws = shared.lock();
-        if ws.is_destroyed() {
-            ws.alloc_unaccounted(request, false)
-        } else {
-            ws.alloc_aligned(nbytes.max(1), DEVICE_ALIGN)
-        }
-    };
+    // A destroyed workspace serves outside its accounts (the core decides).
+    let attempt = || shared.lock().alloc_aligned(nbytes.max(1), DEVICE_ALIGN);
     let raw = match attempt() {
         Ok(raw) => raw,
         Err(e) => match &memory.pending {
             // Blocks still waiting on other streams: wait for them, then try once more.
-            Some(p) if p.any.load(Ordering::Acquire) => {
+            Some(p) if p.any() => {
                 p.settle(true);
                 attempt()?
             }
@@ -238,49 +158,30 @@ pub(crate) struct Block {
     release: Mutex<ReleaseOrder>,
 }
 
-/// The consumers' streams a block's release waits for, as classified while each was valid.
-#[derive(Default)]
-struct ReleaseOrder {
-    /// A consumer used a stream the legacy default stream orders: an event recorded on the legacy
-    /// stream at release follows its work.
-    legacy: bool,
-    /// A consumer used a non-blocking stream (or one whose flags could not be read): only a
-    /// device synchronisation at release waits for its work.
-    device_sync: bool,
-    /// Streams named by the release itself, valid while it runs: an event is recorded on each.
-    now: Vec<usize>,
-}
-
 impl Drop for Block {
     fn drop(&mut self) {
         let order = std::mem::take(self.release.get_mut().unwrap_or_else(|e| e.into_inner()));
-        if let (Some(cuda), Some(pending)) = (&self.memory.cuda, &self.memory.pending) {
-            // A failed synchronisation leaves nothing to wait for (the context is broken).
-            let synced = order.device_sync && cuda.synchronize().is_ok();
-            let streams = order.now.iter().copied().chain(order.legacy.then_some(1));
-            let events: Result<Vec<_>, _> = streams.filter(|_| !synced).map(|s| cuda.record_release(s)).collect();
-            match events {
-                Ok(events) if !events.is_empty() => {
-                    pending.push(PendingRelease { shared: self.memory.shared.clone(), raw: self.raw, events });
-                    return;
-                }
-                Ok(_) => {}
-                // No event: the streams' work cannot be followed, so wait for the device.
-                Err(_) => {
-                    let _ = cuda.synchronize();
-                }
-            }
-        }
         if let Some(p) = NonNull::new(self.raw as *mut u8) {
-            // SAFETY: `raw` is a live block of this workspace, allocated in `Block::new` and freed
-            // only here.
-            unsafe { self.memory.shared.lock().free(p) };
+            match &self.memory.pending {
+                Some(pending) => pending.release(p, order),
+                // SAFETY: `raw` is a live block of this workspace, allocated in `Block::new` and
+                // freed only here.
+                None => unsafe { self.memory.shared.lock().free(p) },
+            }
         }
         reclaim_detached(&self.memory);
     }
 }
 
 impl Block {
+    /// [`Block::new`] for Python: releases queued by blocks that died where the GIL could not be
+    /// released go to the driver now, and an error is the Python exception.
+    pub(crate) fn new_py(py: Python<'_>, memory: &Arc<Memory>, nbytes: usize, zeroed: bool) -> PyResult<Self> {
+        let block = Block::new(memory, nbytes, zeroed);
+        reclaim(py, memory);
+        block.map_err(|e| to_py(py, e))
+    }
+
     /// A new block of `nbytes` from the workspace, zero-filled when `zeroed`.
     pub(crate) fn new(memory: &Arc<Memory>, nbytes: usize, zeroed: bool) -> Result<Self, Error> {
         let (raw, ptr) = alloc_aligned(memory, nbytes)?;
@@ -376,16 +277,8 @@ impl Block {
         let Some(cuda) = &self.memory.cuda else { return Ok(()) };
         cuda.order_before(stream)
             .map_err(|e| to_py(py, Error::device("cannot order the stream after the workspace's work", e)))?;
-        if stream != 1 {
-            // The legacy stream orders itself: nothing to follow for it.
-            let ordered = cuda.synchronizes_with_legacy(stream).unwrap_or(false);
-            let mut release = lock(&self.release);
-            if ordered {
-                release.legacy = true;
-            } else {
-                release.device_sync = true;
-            }
-        }
+        let ordered = stream == 1 || cuda.synchronizes_with_legacy(stream).unwrap_or(false);
+        lock(&self.release).follow(stream, ordered);
         Ok(())
     }
 
@@ -393,7 +286,12 @@ impl Block {
     /// other than the legacy default) when the release comes, which must be before the stream
     /// can be destroyed: the caller releases the block right after.
     fn release_on(&self, stream: usize) {
-        lock(&self.release).now.push(stream);
+        if !lock(&self.release).release_on(stream) {
+            // No room to note the stream: its work is waited for now.
+            if let Some(cuda) = &self.memory.cuda {
+                let _ = cuda.synchronize();
+            }
+        }
     }
 }
 
@@ -489,27 +387,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Routes this thread's `rustws_torch_malloc` calls to `workspace` on device `ordinal` (None:
-/// refuse them).
-#[pyfunction]
-#[pyo3(signature = (workspace, ordinal=0))]
-pub(crate) fn torch_route(workspace: Option<&Bound<'_, WorkspaceCore>>, ordinal: i32) {
-    let target = workspace.map(|w| (w.get().memory.clone(), ordinal));
+/// Routes this thread's `rustws_torch_malloc` calls to the workspace of `memory` on device
+/// `ordinal` (None: refuse them).
+pub(crate) fn torch_route(memory: Option<Arc<Memory>>, ordinal: i32) {
+    let target = memory.map(|m| (m, ordinal));
     TORCH_TARGET.with(|t| *t.borrow_mut() = target);
 }
 
-/// Adds `workspace` as the route of every thread without one of its own on device `ordinal`
+/// Adds the workspace of `memory` as the route of every thread without one of its own on device `ordinal`
 /// (innermost until removed).
-#[pyfunction]
-pub(crate) fn torch_share(workspace: &Bound<'_, WorkspaceCore>, ordinal: i32) {
-    lock(&TORCH_SHARED).push((workspace.get().memory.clone(), ordinal));
+pub(crate) fn torch_share(memory: Arc<Memory>, ordinal: i32) {
+    lock(&TORCH_SHARED).push((memory, ordinal));
 }
 
-/// Removes the innermost shared route of `workspace` on device `ordinal`; returns whether there
+/// Removes the innermost shared route of the workspace of `memory` on device `ordinal`; returns whether there
 /// was one.
-#[pyfunction]
-pub(crate) fn torch_unshare(workspace: &Bound<'_, WorkspaceCore>, ordinal: i32) -> bool {
-    let memory = &workspace.get().memory;
+pub(crate) fn torch_unshare(memory: &Arc<Memory>, ordinal: i32) -> bool {
     let mut shared = lock(&TORCH_SHARED);
     let at = shared.iter().rposition(|(m, o)| Arc::ptr_eq(m, memory) && *o == ordinal);
     // The route is dropped after the lock is released (dropping a memory may free a workspace).

@@ -24,19 +24,19 @@
 //! The handlers' functions never call into Python and never unwind: a refusal is recorded (for
 //! the Python layer to report) and NumPy gets NULL.
 
-use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr};
-use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::{null_mut, NonNull};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use rustws_core::{BlockKind, Error, Workspace};
+use rustws_core::BlockKind;
+
+use crate::shared::{thread_ident, ScopeState, Shared};
 
 /// The capsule name NumPy requires.
 pub const CAPSULE_NAME: &CStr = c"mem_handler";
@@ -60,199 +60,15 @@ pub(crate) struct PyDataMemHandler {
     pub(crate) allocator: PyDataMemAllocator,
 }
 
-/// A workspace as the bindings share it: the core behind one lock, plus what the handler
-/// records for the Python layer.
-#[derive(Debug)]
-pub struct Shared {
-    pub id: u64,
-    pub name: rustws_core::error::Name,
-    /// Set with the core's own flag by [`Shared::destroy`], and read without the lock.
-    destroyed: AtomicBool,
-    workspace: Mutex<Workspace>,
-    /// Requests refused while capturing, drained and reported by the Python layer.
-    failures: Mutex<Vec<Error>>,
-    /// Whether `failures` holds anything: read at every cycle exit without the lock.
-    pub has_failures: AtomicBool,
-    /// Whether the CPU can touch the workspace's memory: NumPy may allocate from it only then.
-    pub host_accessible: bool,
-    /// Captured requests smaller than this are served by NumPy's own allocator
-    /// (`helper_min_size`).
-    pub small: usize,
-    /// Whether cycles capture (`Workspace.capture`; switching it off acts at once).
-    pub capture: AtomicBool,
-    /// The name of its handlers: `rustws:<id>:<workspace name>`.
-    pub handler_name: [c_char; 127],
-}
-
-/// Refusals kept between two cycle exits; later ones are counted, not kept.
-const MAX_KEPT_FAILURES: usize = 64;
-
-thread_local! {
-    /// The last refusal on this thread, so that an explicit allocation can raise the workspace's
-    /// own error instead of NumPy's generic `MemoryError`. Never dropped with the thread (a
-    /// refusal left here when a thread ends keeps a reference to a workspace's name): a
-    /// thread-local that needs no destructor is never registered with the C library, which can
-    /// itself fail where memory ran out.
-    static LAST_REFUSAL: ManuallyDrop<RefCell<Option<Error>>> = const { ManuallyDrop::new(RefCell::new(None)) };
-}
-
-/// Takes the last refusal recorded on this thread.
-pub fn take_last_refusal() -> Option<Error> {
-    LAST_REFUSAL.with(|r| r.borrow_mut().take())
-}
-
-impl Shared {
-    /// The shared state of `workspace`, whose id is its token.
-    pub fn new(workspace: Workspace) -> Self {
-        let id = workspace.token();
-        let host_accessible = workspace.backend().host_accessible();
-        let small = usize::try_from(workspace.config().helper_min_size).unwrap_or(usize::MAX);
-        Shared {
-            small,
-            capture: AtomicBool::new(true),
-            handler_name: handler_name(&format!("rustws:{id}:{}", workspace.name())),
-            id,
-            name: workspace.name().into(),
-            destroyed: AtomicBool::new(false),
-            workspace: Mutex::new(workspace),
-            failures: Mutex::new(Vec::new()),
-            has_failures: AtomicBool::new(false),
-            host_accessible,
-        }
-    }
-
-    /// The workspace; a panic while it was held leaves it usable (its counters are updated
-    /// only after the operations they count succeed).
-    pub fn lock(&self) -> MutexGuard<'_, Workspace> {
-        self.workspace.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Destroys the workspace: nothing opens a cycle or allocates from it any more, and its
-    /// memory goes back but for the blocks still live, which go as they die.
-    pub fn destroy(&self) {
-        self.destroyed.store(true, Ordering::Relaxed);
-        self.lock().destroy();
-    }
-
-    /// Whether [`Shared::destroy`] ran (no lock taken).
-    #[inline]
-    pub fn is_destroyed(&self) -> bool {
-        self.destroyed.load(Ordering::Relaxed)
-    }
-
-    /// The refusals recorded since the last call.
-    pub fn drain_failures(&self) -> Vec<Error> {
-        self.has_failures.store(false, Ordering::Relaxed);
-        std::mem::take(&mut *self.failures.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-
-    /// Records a refusal (allocating nothing but room the list may fail to get) and returns the
-    /// NULL NumPy turns into `MemoryError`.
-    fn refuse(&self, e: Error) -> *mut c_void {
-        {
-            let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-            // Kept for the next cycle exit to report; a workspace used without cycles must not
-            // accumulate them forever. Out of memory, the list may find no room: then the refusal
-            // still reaches the caller through `LAST_REFUSAL`.
-            if failures.len() < MAX_KEPT_FAILURES && failures.try_reserve(1).is_ok() {
-                failures.push(e.clone());
-            }
-        }
-        self.has_failures.store(true, Ordering::Relaxed);
-        LAST_REFUSAL.with(|r| *r.borrow_mut() = Some(e));
-        null_mut()
-    }
-
-    /// A block for NumPy: from the workspace, or (once it is destroyed) from NumPy's own
-    /// allocator; NULL for a refusal.
-    fn alloc(&self, size: usize, zeroed: bool) -> *mut c_void {
-        if !self.host_accessible {
-            // Device memory under a NumPy array would crash the first read.
-            return self.refuse(Error::unavailable("a device workspace's memory cannot hold NumPy arrays"));
-        }
-        if self.is_destroyed() {
-            // Code still running after `destroy()` gets ordinary memory.
-            return allocate(default_handler_ptr(), size, zeroed);
-        }
-        let mut ws = self.lock();
-        let r = if ws.is_destroyed() {
-            ws.alloc_unaccounted(size, zeroed)
-        } else if zeroed {
-            ws.alloc_zeroed(size)
-        } else {
-            ws.alloc(size)
-        };
-        drop(ws);
-        match r {
-            Ok(p) => p.as_ptr().cast(),
-            Err(e) => self.refuse(e),
-        }
-    }
-
-    /// Frees `p` if it is a block of this workspace; says whether it was.
-    ///
-    /// # Safety
-    /// `p` is a block NumPy frees through a handler of this workspace: its own, or one a handler
-    /// below served; freed once.
-    unsafe fn free_if_ours(&self, p: NonNull<u8>) -> bool {
-        // SAFETY: the caller's guarantee: `p` starts a block of this workspace or of another
-        // allocator.
-        unsafe { self.lock().free_if_ours(p) }
-    }
-
-    /// Resizes `p` if it is a block of this workspace: in the workspace when `stays`, else moved
-    /// to the handler `out`. None when `p` is no block of this workspace.
-    ///
-    /// # Safety
-    /// As for [`Shared::free_if_ours`]; `p` is live and `out` a live handler.
-    unsafe fn realloc_if_ours(
-        &self,
-        p: NonNull<u8>,
-        new_size: usize,
-        stays: bool,
-        out: *const PyDataMemHandler,
-    ) -> Option<*mut c_void> {
-        let mut ws = self.lock();
-        // SAFETY: the caller's guarantee.
-        let info = unsafe { ws.find_block(p) }?;
-        if stays {
-            // SAFETY: a live block of this workspace, given up on success.
-            let r = unsafe { ws.realloc(p, new_size) };
-            drop(ws);
-            return Some(match r {
-                Ok(q) => q.as_ptr().cast(),
-                Err(e) => self.refuse(e),
-            });
-        }
-        // Out of the workspace: the handler below may be a scope of this same workspace, so the
-        // lock is not held while it serves.
-        drop(ws);
-        let q = allocate(out, new_size, false);
-        if !q.is_null() {
-            // SAFETY: both blocks are live host memory, distinct, valid for the bytes copied.
-            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), q.cast::<u8>(), info.requested.min(new_size)) };
-            // SAFETY: a live block of this workspace, given up now.
-            unsafe { self.lock().free(p) };
-        }
-        Some(q)
-    }
-
-    /// The kind of `p` if it is a live block of this workspace.
-    ///
-    /// # Safety
-    /// As for [`Shared::free_if_ours`]; `p` is live.
-    pub(crate) unsafe fn kind_of(&self, p: NonNull<u8>) -> Option<BlockKind> {
-        // SAFETY: forwarded.
-        unsafe { self.lock().find_block(p) }.map(|b| b.kind)
-    }
-}
-
 /// What a scope's capture handler serves through: the workspace, and the scope's state (where it
 /// was opened, whether it is still open).
 #[derive(Debug)]
 pub(crate) struct Capture {
     pub shared: Arc<Shared>,
-    pub state: Arc<crate::scope::ScopeState>,
+    pub state: Arc<ScopeState>,
+    /// Puts back what was below a closed scope's node (the scope module's, given here so that
+    /// the handler needs nothing above it).
+    pub settle: fn(Python<'_>, *const c_void),
     /// The handler in force below the scope, which serves what the workspace does not take; the
     /// node keeps it alive.
     pub below: *const PyDataMemHandler,
@@ -274,13 +90,13 @@ impl Capture {
     /// exit is taken out of NumPy's context variable now (see `scope::settle_closed`).
     #[cold]
     fn settle_if_closed(&self) {
-        if self.state.open.load(Ordering::Relaxed) || self.state.thread != crate::scope::thread_ident() {
+        if self.state.open.load(Ordering::Relaxed) || self.state.thread != thread_ident() {
             return;
         }
         if crate::threadstate::attached() {
             // SAFETY: this thread's thread state is attached: it holds the GIL.
             let py = unsafe { Python::assume_attached() };
-            crate::scope::settle_closed(py, self.node);
+            (self.settle)(py, self.node);
         }
     }
 }
@@ -353,6 +169,43 @@ unsafe fn resize(via: *const PyDataMemHandler, ptr: *mut c_void, new_size: usize
     }
 }
 
+/// Resizes `p` if it is a block of this workspace: in the workspace when `stays`, else moved
+/// to the handler `out`. None when `p` is no block of this workspace.
+///
+/// # Safety
+/// As for `Shared::free_if_ours`; `p` is live and `out` a live handler.
+unsafe fn realloc_if_ours(
+    shared: &Shared,
+    p: NonNull<u8>,
+    new_size: usize,
+    stays: bool,
+    out: *const PyDataMemHandler,
+) -> Option<*mut c_void> {
+    let mut ws = shared.lock();
+    // SAFETY: the caller's guarantee.
+    let info = unsafe { ws.find_block(p) }?;
+    if stays {
+        // SAFETY: a live block of this workspace, given up on success.
+        let r = unsafe { ws.realloc(p, new_size) };
+        drop(ws);
+        return Some(match r {
+            Ok(q) => q.as_ptr().cast(),
+            Err(e) => shared.refuse(e),
+        });
+    }
+    // Out of the workspace: the handler below may be a scope of this same workspace, so the
+    // lock is not held while it serves.
+    drop(ws);
+    let q = allocate(out, new_size, false);
+    if !q.is_null() {
+        // SAFETY: both blocks are live host memory, distinct, valid for the bytes copied.
+        unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), q.cast::<u8>(), info.requested.min(new_size)) };
+        // SAFETY: a live block of this workspace, given up now.
+        unsafe { shared.lock().free(p) };
+    }
+    Some(q)
+}
+
 fn guarded<T>(fallback: T, f: impl FnOnce() -> T) -> T {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or(fallback)
 }
@@ -393,7 +246,7 @@ unsafe extern "C" fn ws_realloc(ctx: *mut c_void, ptr: *mut c_void, new_size: us
         let Some(p) = NonNull::new(ptr.cast::<u8>()) else { return s.alloc(new_size, false) };
         // SAFETY: NumPy reallocates only data it allocated through this handler and owns: a block
         // of this workspace, or NumPy's own (served after `destroy`).
-        unsafe { s.realloc_if_ours(p, new_size, true, null_mut()) }
+        unsafe { realloc_if_ours(s, p, new_size, true, null_mut()) }
             .unwrap_or_else(|| unsafe { resize(null_mut(), ptr, new_size) })
     })
 }
@@ -463,7 +316,7 @@ unsafe extern "C" fn capture_realloc(ctx: *mut c_void, ptr: *mut c_void, new_siz
         // of this workspace (resized in it while the scope captures, else moved to the handler
         // below), or one the handler below served (which resizes it).
         unsafe {
-            match c.shared.realloc_if_ours(p, new_size, captured, c.below) {
+            match realloc_if_ours(&c.shared, p, new_size, captured, c.below) {
                 Some(q) => q,
                 None => resize(c.below, ptr, new_size),
             }
@@ -499,14 +352,6 @@ pub(crate) fn capture_handler(capture: *const Capture, shared: &Shared) -> PyDat
             free: capture_free,
         },
     }
-}
-
-fn handler_name(text: &str) -> [c_char; 127] {
-    let mut name = [0 as c_char; 127];
-    for (dst, src) in name.iter_mut().zip(text.bytes().filter(|b| *b != 0).take(126)) {
-        *dst = src as c_char;
-    }
-    name
 }
 
 unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {

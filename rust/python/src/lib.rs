@@ -3,11 +3,16 @@
 //! `rustws._errors`), exposes a workspace as `WorkspaceCore`, and installs NumPy's data-memory
 //! handler. Policy, learning and arena logic all live in `rustws-core`.
 //!
-//! One module per concept: `workspace` (`WorkspaceCore`), `handler` (NumPy's data-memory
-//! handler), `scope` (capture scopes), `cycles` (the loop form), `arrays` (ndarrays over
-//! workspace memory), `config` (configurations), `device` (device memory and PyTorch's
-//! allocator), `devarray` (`DeviceArray`), `dispose` (dispose scopes' counters and chain),
-//! `dlpack` (DLPack capsules). This file holds the module's functions and its registration.
+//! One module per concept, each building only on those below it (no two import each other):
+//! `calls`, `errors`, `threadstate`, `panics` (leaves: calls into Python, the error mapping, the
+//! thread's context, the panic hook); `shared` (what the handlers and the Python side share: a
+//! workspace's core behind its lock, a scope's state); `config` (configurations); `handler`
+//! (NumPy's data-memory handlers); `scope` (the capture scopes in NumPy's context variable);
+//! `arrays`, `device`, `dlpack`, `dispose`, `devarray` (ndarrays over workspace memory, device
+//! blocks and PyTorch's allocator, DLPack capsules, dispose scopes, `DeviceArray`); `state`
+//! (what a workspace object holds, and its cycles and scopes); `cycles` (the loop form);
+//! `workspace` (`WorkspaceCore`, the Python class). This file holds the module's functions and
+//! its registration.
 
 mod arrays;
 mod calls;
@@ -21,6 +26,8 @@ mod errors;
 mod handler;
 mod panics;
 mod scope;
+mod shared;
+mod state;
 mod threadstate;
 mod workspace;
 
@@ -38,6 +45,28 @@ use device::DeviceBuffer;
 use dispose::DisposeStatistics;
 use errors::to_py;
 pub(crate) use workspace::WorkspaceCore;
+
+/// Routes this thread's requests from PyTorch's pluggable allocator to `workspace` on device
+/// `ordinal` (None: refuse them).
+#[pyfunction]
+#[pyo3(signature = (workspace, ordinal=0))]
+fn torch_route(workspace: Option<&Bound<'_, WorkspaceCore>>, ordinal: i32) {
+    device::torch_route(workspace.map(|w| w.get().memory.clone()), ordinal);
+}
+
+/// Adds `workspace` as the route of every thread without one of its own on device `ordinal`
+/// (innermost until removed).
+#[pyfunction]
+fn torch_share(workspace: &Bound<'_, WorkspaceCore>, ordinal: i32) {
+    device::torch_share(workspace.get().memory.clone(), ordinal);
+}
+
+/// Removes the innermost shared route of `workspace` on device `ordinal`; returns whether there
+/// was one.
+#[pyfunction]
+fn torch_unshare(workspace: &Bound<'_, WorkspaceCore>, ordinal: i32) -> bool {
+    device::torch_unshare(&workspace.get().memory, ordinal)
+}
 
 /// `RUSTWS_DEBUG_MODE` as the core reads it (`None` when unset; `ValueError` when unknown).
 #[pyfunction]
@@ -155,7 +184,10 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     threadstate::init(py)?;
     handler::init_default_allocator(py)?;
     m.add_class::<WorkspaceCore>()?;
-    m.add_class::<workspace::Stats>()?;
+    // The one definition of the statistics' and the configuration's fields (the Python
+    // dataclasses follow them; a test checks).
+    m.add("STATS_FIELDS", pyo3::types::PyTuple::new(m.py(), rustws_core::WorkspaceStats::FIELDS)?)?;
+    m.add("CONFIG_FIELDS", pyo3::types::PyTuple::new(m.py(), rustws_core::WorkspaceConfiguration::FIELDS)?)?;
     m.add_class::<DeviceBuffer>()?;
     m.add_class::<scope::Scope>()?;
     m.add_class::<cycles::Cycles>()?;
@@ -166,10 +198,10 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dispose::dispose_push, m)?)?;
     m.add_function(wrap_pyfunction!(dispose::dispose_remove, m)?)?;
     m.add_function(wrap_pyfunction!(dispose::dispose_chain, m)?)?;
-    m.add_function(wrap_pyfunction!(device::torch_route, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_route, m)?)?;
     m.add_function(wrap_pyfunction!(device::torch_blocks, m)?)?;
-    m.add_function(wrap_pyfunction!(device::torch_share, m)?)?;
-    m.add_function(wrap_pyfunction!(device::torch_unshare, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_share, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_unshare, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(validate_config, m)?)?;
     m.add_function(wrap_pyfunction!(env_debug_mode, m)?)?;

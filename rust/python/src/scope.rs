@@ -31,7 +31,7 @@
 //! collector paused: no finaliser can change the stack between reading and writing it.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use pyo3::exceptions::PyResourceWarning;
@@ -40,98 +40,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
 use crate::errors;
-use crate::handler::{self, Capture, PyDataMemHandler, Shared};
-
-/// One open scope, shared by its node (and the nodes rebuilt for it) and its owner.
-#[derive(Debug)]
-pub(crate) struct ScopeState {
-    /// The thread that opened it.
-    pub thread: u64,
-    /// Until it exits.
-    pub open: AtomicBool,
-    /// Whether it opened a cycle of its workspace (else it nests in one, or borrows).
-    cycle: AtomicBool,
-    /// The asyncio task that opened it (its address), or 0 outside any running task: tasks of
-    /// one thread that enter the same workspace run cycles of their own, not nested ones.
-    task: usize,
-    /// The `contextvars.Context` it was (re)opened in (its address; 0: not known): capture stays
-    /// in it, not in copies of it (see `threadstate`).
-    context: AtomicUsize,
-    /// The Python frame that entered it (its address; 0: none): the one place, besides its own
-    /// thread, where an exit of it is its owner's (a generator or coroutine finalised on another
-    /// thread runs its exit in that frame).
-    frame: AtomicUsize,
-}
-
-impl ScopeState {
-    pub fn new(cycle: bool, task: usize) -> Arc<Self> {
-        Arc::new(ScopeState {
-            thread: thread_ident(),
-            open: AtomicBool::new(true),
-            cycle: AtomicBool::new(cycle),
-            task,
-            context: AtomicUsize::new(0),
-            frame: AtomicUsize::new(caller_frame()),
-        })
-    }
-
-    pub fn opened_cycle(&self) -> bool {
-        self.cycle.load(Ordering::Relaxed)
-    }
-
-    /// Open, and this is where it was opened: its thread, and its context (not a copy of it).
-    #[inline]
-    pub fn is_here(&self) -> bool {
-        if !self.open.load(Ordering::Relaxed) || self.thread != thread_ident() {
-            return false;
-        }
-        let mine = self.context.load(Ordering::Relaxed);
-        mine == 0 || {
-            let now = crate::threadstate::current_context();
-            now == 0 || now == mine
-        }
-    }
-
-    /// Records the context it runs in now (after it was pushed or reopened: the push made sure
-    /// the thread has one).
-    pub fn mark_context(&self) {
-        self.context.store(crate::threadstate::current_context(), Ordering::Relaxed);
-    }
-
-    /// Whether the frame running now is the one that entered it.
-    pub fn entered_here(&self) -> bool {
-        let frame = self.frame.load(Ordering::Relaxed);
-        frame != 0 && frame == caller_frame()
-    }
-
-    /// Closes it; returns whether it was open.
-    pub fn close(&self) -> bool {
-        self.open.swap(false, Ordering::Relaxed)
-    }
-
-    /// Opens it again (the loop form's next iteration, a `with` reopening it in place), from the
-    /// frame running now.
-    pub fn reopen(&self, cycle: bool) {
-        self.cycle.store(cycle, Ordering::Relaxed);
-        self.frame.store(caller_frame(), Ordering::Relaxed);
-        self.open.store(true, Ordering::Relaxed);
-        self.mark_context();
-    }
-}
-
-/// The Python frame running on this thread (its address), or 0.
-pub(crate) fn caller_frame() -> usize {
-    // SAFETY: the GIL is held by every caller (scopes are entered and left from Python); the
-    // result is a borrowed frame, only compared by address. Making the frame object can fail for
-    // want of memory: then no frame is recorded and the error is cleared.
-    unsafe {
-        let f = ffi::PyEval_GetFrame();
-        if f.is_null() && !ffi::PyErr_Occurred().is_null() {
-            ffi::PyErr_Clear();
-        }
-        f as usize
-    }
-}
+use crate::handler::{self, Capture, PyDataMemHandler};
+use crate::shared::{thread_ident, ScopeState, Shared};
 
 /// A capturing node's handler and what it serves through, inside the node's (boxed) data, so the
 /// handler's `ctx` (the capture) stays put.
@@ -264,7 +174,13 @@ fn new_node<'py>(
             // node's reference to `below`).
             let below_handler = handler::lent_handler(below).cast::<PyDataMemHandler>().cast_const();
             let handler = handler::capture_handler(std::ptr::null(), &shared);
-            let capture = Capture { shared, state: state.clone(), below: below_handler, node: std::ptr::null() };
+            let capture = Capture {
+                shared,
+                state: state.clone(),
+                settle: settle_closed,
+                below: below_handler,
+                node: std::ptr::null(),
+            };
             (capsule, Some(CaptureHandler { handler, capture }))
         }
     };
@@ -448,11 +364,6 @@ pub fn current_task(py: Python<'_>) -> usize {
         Ok(task) if !task.is_none() => task.as_ptr() as usize,
         _ => 0,
     }
-}
-
-pub fn thread_ident() -> u64 {
-    // SAFETY: a plain query, callable with or without the GIL.
-    unsafe { pyo3::ffi::PyThread_get_thread_ident() as u64 }
 }
 
 /// Pushes a scope for `owner` (a workspace, or None) identified by `key`, with `state`.
@@ -714,39 +625,40 @@ pub fn current(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
 /// finaliser on another thread) still closes it.
 #[pyclass(frozen, module = "rustws._rustws")]
 pub struct Scope {
+    /// The workspace, or None.
     owner: Py<PyAny>,
-    install: bool,
-    handler: Option<Py<PyAny>>,
+    /// What it makes NumPy's handler: the workspace's capture (when the workspace captures as
+    /// the scope opens), or NumPy's default.
+    lends: Option<(Arc<Shared>, Py<PyAny>)>,
     /// The states of this object's open scopes, innermost last (an object may be entered again
     /// inside itself).
     open: std::sync::Mutex<Vec<Arc<ScopeState>>>,
 }
 
+impl Scope {
+    /// A scope that makes `owner` (a workspace over `shared`, whose handler capsule is `capsule`)
+    /// current.
+    pub(crate) fn of_workspace(owner: Py<PyAny>, shared: Arc<Shared>, capsule: Py<PyAny>) -> Self {
+        Scope { owner, lends: Some((shared, capsule)), open: std::sync::Mutex::new(Vec::new()) }
+    }
+}
+
 #[pymethods]
 impl Scope {
-    /// `owner`: a workspace or None; `install`: make `handler` (a capsule, or None for NumPy's
-    /// default) current inside, else leave NumPy's handler alone.
+    /// `scope_out_of_workspaces()`: no workspace current inside, NumPy's default allocator.
     #[new]
-    #[pyo3(signature = (owner, install, handler=None))]
-    fn new(py: Python<'_>, owner: Py<PyAny>, install: bool, handler: Option<Py<PyAny>>) -> PyResult<Self> {
-        if let Some(h) = &handler {
-            if !h.bind(py).is_instance_of::<pyo3::types::PyCapsule>() {
-                return Err(pyo3::exceptions::PyTypeError::new_err("handler must be a mem_handler capsule or None"));
-            }
-        }
-        Ok(Scope { owner, install, handler, open: std::sync::Mutex::new(Vec::new()) })
+    fn new(py: Python<'_>) -> Self {
+        Scope { owner: py.None(), lends: None, open: std::sync::Mutex::new(Vec::new()) }
     }
 
     fn __enter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let me = slf.get();
         let owner = me.owner.bind(py);
-        let ws = owner.cast::<crate::WorkspaceCore>().ok();
-        let how = match (me.install, me.handler.as_ref().map(|h| h.bind(py)), ws) {
-            (false, _, _) => Install::Keep,
-            (true, None, _) => Install::Default,
-            (true, Some(h), Some(ws)) if ws.get().installs_handler() => Install::Capture(ws.get().shared.clone(), h),
-            (true, Some(_), _) => Install::Keep,
+        let how = match &me.lends {
+            None => Install::Default,
+            Some((shared, capsule)) if shared.installs_handler() => Install::Capture(shared.clone(), capsule.bind(py)),
+            Some(_) => Install::Keep,
         };
         let state = ScopeState::new(false, 0);
         push(py, owner, slf.as_any(), how, state.clone())?;

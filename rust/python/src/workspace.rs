@@ -14,47 +14,14 @@ use pyo3::types::PyDict;
 use rustws_core::cuda::{CudaMemory, PinnedHostMemory};
 use rustws_core::{Backend, DebugMode, Error, OpaqueMemory, Workspace};
 
-use crate::calls::{self, Arg};
 use crate::config::config_from_dict;
 use crate::devarray::{self, DeviceSide};
-use crate::device::{reclaim, Block, DeviceBuffer, Memory, Source};
+use crate::device::{reclaim, DeviceBuffer, Source};
 use crate::errors::{self, to_py};
-use crate::handler::{self, Shared};
-use crate::{arrays, cycles, scope};
-
-/// A snapshot of a workspace's statistics (`WorkspaceStats`' fields, by name).
-#[pyclass(frozen, get_all, module = "rustws._rustws")]
-pub(crate) struct Stats {
-    cycles: u64,
-    capacity_bytes: u64,
-    used_bytes: u64,
-    peak_cycle_bytes: u64,
-    cached_bytes: u64,
-    external_bytes: u64,
-    pinned_bytes: u64,
-    overhead_bytes: u64,
-    allocation_count: u64,
-    spill_count: u64,
-    failed_allocations: u64,
-}
-
-impl From<rustws_core::WorkspaceStats> for Stats {
-    fn from(s: rustws_core::WorkspaceStats) -> Self {
-        Stats {
-            cycles: s.cycles,
-            capacity_bytes: s.capacity_bytes,
-            used_bytes: s.used_bytes,
-            peak_cycle_bytes: s.peak_cycle_bytes,
-            cached_bytes: s.cached_bytes,
-            external_bytes: s.external_bytes,
-            pinned_bytes: s.pinned_bytes,
-            overhead_bytes: s.overhead_bytes,
-            allocation_count: s.allocation_count,
-            spill_count: s.spill_count,
-            failed_allocations: s.failed_allocations,
-        }
-    }
-}
+use crate::handler;
+use crate::shared::Shared;
+use crate::state::CoreState;
+use crate::{cycles, scope};
 
 /// A workspace: the core behind a lock, and its NumPy memory handler. Subclassed by
 /// `rustws.Workspace`, which adds the context-manager protocol.
@@ -63,7 +30,14 @@ pub(crate) struct WorkspaceCore {
     /// Always there once the object is made. When Python cannot make a subclass's instance
     /// dictionary (out of memory), it deallocates the object before PyO3 has written this: the
     /// object's memory is zero-filled, which reads as `None`, so that drop is harmless.
-    state: Option<Box<CoreState>>,
+    state: Option<Arc<CoreState>>,
+}
+
+impl WorkspaceCore {
+    /// What the object holds, shared with its loop-form iterators.
+    fn core(&self) -> Arc<CoreState> {
+        self.state.clone().expect("a workspace is made before it is used")
+    }
 }
 
 impl std::ops::Deref for WorkspaceCore {
@@ -74,239 +48,7 @@ impl std::ops::Deref for WorkspaceCore {
     }
 }
 
-/// What a [`WorkspaceCore`] holds.
-pub(crate) struct CoreState {
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) capsule: Py<PyAny>,
-    /// Debug mode BYPASS_EVERYTHING: arrays come from NumPy's default allocator.
-    pub(crate) bypass: bool,
-    /// `use_cycle_detector`: report arrays that outlive their cycle.
-    pub(crate) cycle_detector: bool,
-    /// Where the memory comes from (and the CUDA device, for device workspaces).
-    pub(crate) memory: Arc<Memory>,
-    /// Set once for device workspaces: their `empty` / `zeros` return `DeviceArray`s.
-    pub(crate) device: std::sync::OnceLock<DeviceSide>,
-    /// The states of this workspace's open scopes (`with ws:`), innermost last: an exit that
-    /// runs where its scope is not in the stack closes one through them.
-    open_scopes: std::sync::Mutex<Vec<Arc<scope::ScopeState>>>,
-}
-
 impl WorkspaceCore {
-    /// A new ndarray over this workspace's memory (refused for device memory).
-    pub(crate) fn new_array<'py>(
-        &self,
-        py: Python<'py>,
-        shape: &Bound<'py, PyAny>,
-        dtype: Option<&Bound<'py, PyAny>>,
-        order: &str,
-        zeroed: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        arrays::new_array(py, &self.shared, self.capsule.bind(py), self.bypass, shape, dtype, order, zeroed)
-    }
-
-    /// A new block of `nbytes` from this workspace, zero-filled when `zeroed`.
-    pub(crate) fn new_block(&self, py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<Block> {
-        let block = Block::new(&self.memory, nbytes, zeroed);
-        // Releases queued by blocks that died where the GIL could not be released go now.
-        reclaim(py, &self.memory);
-        block.map_err(|e| to_py(py, e))
-    }
-
-    /// Whether a scope of this workspace opened now pushes a capture handler: while `capture` is
-    /// on (the handler then follows the flag while the scope is open, handing requests to the
-    /// handler below it once it is off); otherwise the scope is transparent.
-    pub(crate) fn installs_handler(&self) -> bool {
-        !self.bypass && self.shared.host_accessible && self.shared.capture.load(Ordering::Relaxed)
-    }
-
-    /// Opens a scope of this workspace in this thread's or task's stack: a cycle of its own, or
-    /// (`with ws:` inside an open `with ws:` here, `nests`) a level nested in this stack's open
-    /// cycle. The loop form always opens a cycle of its own: each iteration is one.
-    pub(crate) fn enter_scope(
-        &self,
-        py: Python<'_>,
-        me: &Bound<'_, PyAny>,
-        nests: bool,
-    ) -> PyResult<Arc<scope::ScopeState>> {
-        let task = scope::current_task(py);
-        let nested = nests && scope::is_open_here(py, me, task)?;
-        // The guard is dropped before any Python runs: building an exception can run the GC,
-        // which may free this workspace's arrays and take the lock again.
-        let entered = if nested { self.shared.lock().nest() } else { self.shared.lock().open_cycle() };
-        entered.map_err(|e| to_py(py, e))?;
-        let undo = |e: PyErr| {
-            let mut ws = self.shared.lock();
-            let _ = if nested { ws.unnest() } else { ws.close_cycle().map(drop) };
-            e
-        };
-        let installs = self.installs_handler();
-        // The node the last `with` of this workspace left here, reopened in place; else a new one.
-        let reopened = if nests { scope::reopen(py, me, installs, !nested, task).map_err(undo)? } else { None };
-        let state = match reopened {
-            Some(state) => state,
-            None => {
-                let how = if installs {
-                    scope::Install::Capture(self.shared.clone(), self.capsule.bind(py))
-                } else {
-                    scope::Install::Keep
-                };
-                let state = scope::ScopeState::new(!nested, task);
-                scope::push(py, me, me, how, state.clone()).map_err(undo)?;
-                state
-            }
-        };
-        self.remember_scope(py, &state).map_err(undo)?;
-        Ok(state)
-    }
-
-    /// Lists `state` among the open scopes (room first: none is a `MemoryError`, and nothing is
-    /// left half done).
-    fn remember_scope(&self, py: Python<'_>, state: &Arc<scope::ScopeState>) -> PyResult<()> {
-        let mut open = self.open_scopes.lock().unwrap_or_else(|e| e.into_inner());
-        if open.try_reserve(1).is_err() {
-            drop(open);
-            state.close();
-            return Err(errors::no_memory(py));
-        }
-        open.push(state.clone());
-        Ok(())
-    }
-
-    /// The loop form's end of an iteration: closes `state`'s cycle and leaves its node in place
-    /// for the next iteration.
-    pub(crate) fn end_iteration(
-        &self,
-        py: Python<'_>,
-        me: &Bound<'_, PyAny>,
-        state: &scope::ScopeState,
-    ) -> PyResult<()> {
-        state.close();
-        self.end_level(py, me, state, true)
-    }
-
-    /// Ends what `state` opened in the core (its cycle, or its nested level), then reports
-    /// refused requests and escaped arrays (see `after_cycle`); nothing once destroyed.
-    fn end_level(&self, py: Python<'_>, me: &Bound<'_, PyAny>, state: &scope::ScopeState, clean: bool) -> PyResult<()> {
-        if self.shared.is_destroyed() {
-            return Ok(());
-        }
-        let ended = {
-            let mut ws = self.shared.lock();
-            if state.opened_cycle() {
-                ws.close_cycle()
-            } else {
-                ws.unnest().map(|()| rustws_core::CycleReport::default())
-            }
-        };
-        reclaim(py, &self.memory);
-        let r = ended.map_err(|e| to_py(py, e))?;
-        self.after_cycle(py, me, r, clean)
-    }
-
-    /// The loop form's next iteration in the scope of `state`, reopened in place (a cycle of its
-    /// own); false when its node is no longer in this stack (then a scope is entered anew).
-    pub(crate) fn begin_iteration(&self, py: Python<'_>, state: &scope::ScopeState, in_stack: bool) -> PyResult<bool> {
-        if !in_stack {
-            return Ok(false);
-        }
-        let opened = self.shared.lock().open_cycle();
-        opened.map_err(|e| to_py(py, e))?;
-        state.reopen(true);
-        Ok(true)
-    }
-
-    /// Drops `state` from the open scopes (its node stays, closed, until settled).
-    pub(crate) fn forget_scope(&self, state: &Arc<scope::ScopeState>) {
-        self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| !Arc::ptr_eq(s, state));
-    }
-
-    /// Reports refused requests and escaped arrays through `_after_cycle`, when there are any.
-    pub(crate) fn after_cycle(
-        &self,
-        py: Python<'_>,
-        me: &Bound<'_, PyAny>,
-        r: rustws_core::CycleReport,
-        clean: bool,
-    ) -> PyResult<()> {
-        let failures = self.shared.has_failures.load(Ordering::Relaxed);
-        let leaked = r.completed && r.escaped_blocks > 0 && self.cycle_detector;
-        if failures || leaked {
-            let names = calls::names(py)?;
-            let args = [Arg::Bool(leaked && clean), Arg::Int(r.escaped_blocks), Arg::Int(r.escaped_bytes)];
-            calls::call_method(me, &names.after_cycle, &args)?;
-        }
-        Ok(())
-    }
-
-    /// Closes this workspace's innermost scope here (see `__exit__`).
-    pub(crate) fn exit_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>, clean: bool) -> PyResult<()> {
-        match scope::pop(py, me, None)? {
-            scope::Popped::Innermost(state) => self.exit_level(py, me, &state, None, clean),
-            scope::Popped::Unlinked(state, innermost) => self.exit_level(py, me, &state, Some(innermost), clean),
-            scope::Popped::NotHere => {
-                // Not in this stack. The scope whose entering frame runs this exit is its owner's
-                // (a generator or coroutine finalised on another thread or outside its task): it
-                // closes. Any other exit from elsewhere changes nothing.
-                let (owned, any_open) = {
-                    let open = self.open_scopes.lock().unwrap_or_else(|e| e.into_inner());
-                    (open.iter().rev().find(|s| s.entered_here()).cloned(), !open.is_empty())
-                };
-                let what = scope::describe(me);
-                match owned {
-                    Some(state) => {
-                        state.close();
-                        self.exit_level(py, me, &state, None, clean)
-                    }
-                    None if any_open => Err(errors::new(
-                        py,
-                        errors::Class::Scope,
-                        &format!(
-                            "{what} exited on another thread or task than the one that entered it; nothing changed"
-                        ),
-                    )),
-                    None => Err(errors::new(py, errors::Class::Scope, &format!("{what} is not open (exited twice?)"))),
-                }
-            }
-        }
-    }
-
-    /// The loop form leaves the scope of `state`, wherever it runs (its iterator dropped on another
-    /// thread closes it all the same).
-    pub(crate) fn exit_state(
-        &self,
-        py: Python<'_>,
-        me: &Bound<'_, PyAny>,
-        state: &Arc<scope::ScopeState>,
-        clean: bool,
-    ) -> PyResult<()> {
-        match scope::pop(py, me, Some(state))? {
-            scope::Popped::Innermost(_) => self.exit_level(py, me, state, None, clean),
-            scope::Popped::Unlinked(_, innermost) => self.exit_level(py, me, state, Some(innermost), clean),
-            scope::Popped::NotHere => {
-                state.close();
-                self.exit_level(py, me, state, None, clean)
-            }
-        }
-    }
-
-    /// After a scope left the stack: it leaves the open scopes, its level ends, and an exit out
-    /// of order warns.
-    fn exit_level(
-        &self,
-        py: Python<'_>,
-        me: &Bound<'_, PyAny>,
-        state: &Arc<scope::ScopeState>,
-        unlinked_under: Option<String>,
-        clean: bool,
-    ) -> PyResult<()> {
-        self.forget_scope(state);
-        self.end_level(py, me, state, clean)?;
-        if let Some(innermost) = unlinked_under {
-            scope::warn_unlinked(py, &scope::describe(me), &innermost)?;
-        }
-        Ok(())
-    }
-
     /// `empty` and `zeros`: an ndarray over workspace memory, or a `DeviceArray` for a device
     /// workspace.
     fn allocate_array<'py>(
@@ -317,7 +59,13 @@ impl WorkspaceCore {
         zeroed: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         match slf.get().device.get() {
-            Some(side) => devarray::new_device_array(slf, side, shape, dtype, order, zeroed),
+            Some(side) if !side.on_device => {
+                let host = slf.get().new_array(slf.py(), shape, dtype, order, zeroed)?;
+                devarray::wrap_host(slf.py(), &host, slf.as_any(), side.name.to_str(slf.py())?).map(Bound::into_any)
+            }
+            Some(side) => {
+                devarray::new_device_array(slf.as_any(), &slf.get().memory, side, shape, dtype, order, zeroed)
+            }
             None => slf.get().new_array(slf.py(), shape, dtype, order, zeroed),
         }
     }
@@ -336,13 +84,20 @@ impl Drop for WorkspaceCore {
 
 #[pymethods]
 impl WorkspaceCore {
-    /// `backend`: None for host memory as the configuration's location policy says,
-    /// `"cuda:N"` for device N's memory, `"pinned:N"` for page-locked host memory registered
-    /// with device N's driver, `"standin"` for host memory that the workspace treats as device
-    /// memory (headers kept apart, every access through the backend).
+    /// `backend`: None for host memory as the configuration's location policy says, `"cuda"`
+    /// for the memory of CUDA device `ordinal`, `"pinned"` for page-locked host memory registered
+    /// with that device's driver, `"standin"` for host memory that the workspace treats as device
+    /// memory (headers kept apart, every access through the backend). The Python layer parses
+    /// device strings; the ordinal arrives as a number.
     #[new]
-    #[pyo3(signature = (name, config, backend=None))]
-    fn new(py: Python<'_>, name: &str, config: &Bound<'_, PyDict>, backend: Option<&str>) -> PyResult<Self> {
+    #[pyo3(signature = (name, config, backend=None, ordinal=0))]
+    fn new(
+        py: Python<'_>,
+        name: &str,
+        config: &Bound<'_, PyDict>,
+        backend: Option<&str>,
+        ordinal: usize,
+    ) -> PyResult<Self> {
         // What a workspace keeps (its state, its handler, its tables) lives on: it is made from
         // memory the system serves, never from the allocator's emergency reserve (which is for the
         // allocations on the way to an error, and would run out if workspaces kept it).
@@ -350,43 +105,39 @@ impl WorkspaceCore {
         // A value of RUSTWS_DEBUG_MODE that names no mode must not silently leave workspaces on.
         DebugMode::env_override().map_err(|e| to_py(py, e))?;
         let c = config_from_dict(config)?;
-        let ordinal = |spec: &str| -> PyResult<usize> {
-            spec.parse::<usize>()
-                .map_err(|_| PyValueError::new_err(format!("invalid backend {backend:?}: bad ordinal")))
+        let source = match backend {
+            None => None,
+            Some("standin") => Some(Source::host(Arc::new(OpaqueMemory))),
+            Some("cuda") => Some(Source::cuda(Arc::new(CudaMemory::new(ordinal).map_err(|e| to_py(py, e))?))),
+            Some("pinned") => {
+                let pinned = Arc::new(PinnedHostMemory::new(ordinal).map_err(|e| to_py(py, e))?);
+                Some(Source::with_deferred(pinned.clone(), pinned))
+            }
+            Some(other) => {
+                return Err(PyValueError::new_err(format!(
+                    "invalid backend {other:?}: expected None, 'cuda', 'pinned' or 'standin'"
+                )))
+            }
         };
-        let (ws, source) = match backend {
+        let (ws, source) = match source {
             None => {
                 let ws = Workspace::new(name, c).map_err(|e| to_py(py, e))?;
                 let source = Source::host(ws.backend().clone());
                 (ws, source)
             }
-            Some(spec) => {
-                let source = if spec == "standin" {
-                    Source::host(Arc::new(OpaqueMemory))
-                } else if let Some(n) = spec.strip_prefix("cuda:") {
-                    Source::cuda(Arc::new(CudaMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?))
-                } else if let Some(n) = spec.strip_prefix("pinned:") {
-                    let pinned = Arc::new(PinnedHostMemory::new(ordinal(n)?).map_err(|e| to_py(py, e))?);
-                    Source::with_deferred(pinned.clone(), pinned)
-                } else {
-                    return Err(PyValueError::new_err(format!(
-                        "invalid backend {spec:?}: expected None, 'cuda:N', 'pinned:N' or 'standin'"
-                    )));
-                };
+            Some(source) => {
                 let backend: Arc<dyn Backend> = source.backend.clone();
                 let ws = Workspace::with_backend(name, c, backend).map_err(|e| to_py(py, e))?;
                 (ws, source)
             }
         };
-        let bypass = ws.debug_mode() == DebugMode::BypassEverything;
         let cycle_detector = ws.config().use_cycle_detector;
         let shared = Arc::new(Shared::new(ws));
         let capsule = handler::new_capsule(py, &shared)?;
         let memory = source.into_memory(shared.clone());
-        let state = Box::new(CoreState {
+        let state = Arc::new(CoreState {
             shared,
             capsule,
-            bypass,
             cycle_detector,
             memory,
             device: std::sync::OnceLock::new(),
@@ -426,9 +177,7 @@ impl WorkspaceCore {
     /// reference to it dies.
     #[pyo3(signature = (nbytes, zeroed=false))]
     fn _buffer(&self, py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<DeviceBuffer> {
-        if self.shared.is_destroyed() {
-            return Err(to_py(py, Error::Destroyed { workspace: self.shared.name.clone() }));
-        }
+        self.shared.check_alive().map_err(|e| to_py(py, e))?;
         Ok(DeviceBuffer { block: Arc::new(self.new_block(py, nbytes, zeroed)?) })
     }
 
@@ -557,12 +306,33 @@ impl WorkspaceCore {
     /// is set up once for the whole loop; leaving the loop, by `break` or an exception, closes
     /// the open cycle).
     fn cycles(slf: &Bound<'_, Self>, iterable: &Bound<'_, PyAny>) -> PyResult<cycles::Cycles> {
-        cycles::Cycles::new(slf, iterable)
+        cycles::Cycles::new(slf.as_any(), slf.get().core(), iterable)
     }
 
-    /// A snapshot of the statistics.
-    fn _stats(&self) -> Stats {
-        Stats::from(self.shared.lock().stats())
+    /// A snapshot of the statistics: their values in the order of `STATS_FIELDS`.
+    fn _stats(&self) -> [u64; 11] {
+        self.shared.lock().stats().values()
+    }
+
+    /// What the cycle that closed last did: (cycle, allocations, spills, peak bytes, arena
+    /// capacity before, arena capacity after, pinned bytes), from the core's own report.
+    fn _last_cycle(&self) -> (u64, u64, u64, u64, u64, u64, u64) {
+        let r = self.shared.lock().last_cycle();
+        (r.cycle, r.allocations, r.spills, r.peak_bytes, r.arena_before, r.arena_after, r.pinned_bytes)
+    }
+
+    /// Raises `WorkspaceClosedError` once the workspace is destroyed.
+    fn _check_alive(&self, py: Python<'_>) -> PyResult<()> {
+        self.shared.check_alive().map_err(|e| to_py(py, e))
+    }
+
+    /// A scope that makes this workspace current (and capturing, while it captures) without
+    /// opening a cycle: `Workspace.borrow()`.
+    fn _borrow(slf: &Bound<'_, Self>) -> PyResult<scope::Scope> {
+        let me = slf.get();
+        me.shared.check_alive().map_err(|e| to_py(slf.py(), e))?;
+        let capsule = me.capsule.clone_ref(slf.py());
+        Ok(scope::Scope::of_workspace(slf.clone().into_any().unbind(), me.shared.clone(), capsule))
     }
 
     /// The errors of requests refused since the last call, as they would have been raised.

@@ -209,7 +209,6 @@ impl Program {
                 }
                 BlockKind::External | BlockKind::Huge => external += b.size as u64,
                 BlockKind::Bypass => continue,
-                BlockKind::Foreign => panic!("{ctx}: the core never hands out foreign blocks"),
             }
             if info.generation < w.epoch() {
                 pinned += b.size as u64;

@@ -1,0 +1,280 @@
+//! What the handlers (C entry points, any thread, with or without the GIL) and the Python side
+//! share: a workspace's [`Shared`] state (the core behind one lock, and the refusals the handler
+//! records for the Python layer) and a scope's [`ScopeState`] (where it was opened, whether it is
+//! still open). Both are plain data: nothing here calls into NumPy's handlers or walks the scope
+//! stack, so `handler` and `scope` build on this module and neither needs the other's internals.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void};
+use std::mem::ManuallyDrop;
+use std::ptr::{null_mut, NonNull};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::ffi;
+use rustws_core::{BlockKind, DebugMode, Error, Workspace};
+
+/// A workspace as the bindings share it: the core behind one lock, plus what the handler
+/// records for the Python layer.
+#[derive(Debug)]
+pub struct Shared {
+    pub id: u64,
+    pub name: rustws_core::error::Name,
+    /// Set with the core's own flag by [`Shared::destroy`], and read without the lock.
+    destroyed: AtomicBool,
+    workspace: Mutex<Workspace>,
+    /// Requests refused while capturing, drained and reported by the Python layer.
+    failures: Mutex<Vec<Error>>,
+    /// Whether `failures` holds anything: read at every cycle exit without the lock.
+    pub has_failures: AtomicBool,
+    /// Whether the CPU can touch the workspace's memory: NumPy may allocate from it only then.
+    pub host_accessible: bool,
+    /// Captured requests smaller than this are served by NumPy's own allocator
+    /// (`helper_min_size`).
+    pub small: usize,
+    /// Whether cycles capture (`Workspace.capture`; switching it off acts at once).
+    pub capture: AtomicBool,
+    /// Debug mode BYPASS_EVERYTHING: arrays come from NumPy's default allocator, and no scope
+    /// captures.
+    pub bypass: bool,
+    /// The name of its handlers: `rustws:<id>:<workspace name>`.
+    pub handler_name: [c_char; 127],
+}
+
+/// Refusals kept between two cycle exits; later ones are counted, not kept.
+const MAX_KEPT_FAILURES: usize = 64;
+
+thread_local! {
+    /// The last refusal on this thread, so that an explicit allocation can raise the workspace's
+    /// own error instead of NumPy's generic `MemoryError`. Never dropped with the thread (a
+    /// refusal left here when a thread ends keeps a reference to a workspace's name): a
+    /// thread-local that needs no destructor is never registered with the C library, which can
+    /// itself fail where memory ran out.
+    static LAST_REFUSAL: ManuallyDrop<RefCell<Option<Error>>> = const { ManuallyDrop::new(RefCell::new(None)) };
+}
+
+/// Takes the last refusal recorded on this thread.
+pub fn take_last_refusal() -> Option<Error> {
+    LAST_REFUSAL.with(|r| r.borrow_mut().take())
+}
+
+impl Shared {
+    /// The shared state of `workspace`, whose id is its token.
+    pub fn new(workspace: Workspace) -> Self {
+        let id = workspace.token();
+        let host_accessible = workspace.backend().host_accessible();
+        let small = usize::try_from(workspace.config().helper_min_size).unwrap_or(usize::MAX);
+        let bypass = workspace.debug_mode() == DebugMode::BypassEverything;
+        Shared {
+            bypass,
+            small,
+            capture: AtomicBool::new(true),
+            handler_name: handler_name(&format!("rustws:{id}:{}", workspace.name())),
+            id,
+            name: workspace.name().into(),
+            destroyed: AtomicBool::new(false),
+            workspace: Mutex::new(workspace),
+            failures: Mutex::new(Vec::new()),
+            has_failures: AtomicBool::new(false),
+            host_accessible,
+        }
+    }
+
+    /// The workspace; a panic while it was held leaves it usable (its counters are updated
+    /// only after the operations they count succeed).
+    pub fn lock(&self) -> MutexGuard<'_, Workspace> {
+        self.workspace.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Destroys the workspace: nothing opens a cycle or allocates from it any more, and its
+    /// memory goes back but for the blocks still live, which go as they die.
+    pub fn destroy(&self) {
+        self.destroyed.store(true, Ordering::Relaxed);
+        self.lock().destroy();
+    }
+
+    /// Whether [`Shared::destroy`] ran (no lock taken).
+    #[inline]
+    pub fn is_destroyed(&self) -> bool {
+        self.destroyed.load(Ordering::Relaxed)
+    }
+
+    /// The core's error for a destroyed workspace, where explicit allocations and scopes ask
+    /// (no lock taken).
+    pub fn check_alive(&self) -> Result<(), Error> {
+        if self.is_destroyed() {
+            Err(Error::destroyed(&self.name))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Whether a scope of this workspace opened now pushes a capture handler: while `capture` is
+    /// on (the handler then follows the flag while the scope is open, handing requests to the
+    /// handler below it once it is off); otherwise the scope is transparent.
+    pub fn installs_handler(&self) -> bool {
+        !self.bypass && self.host_accessible && self.capture.load(Ordering::Relaxed)
+    }
+
+    /// The refusals recorded since the last call.
+    pub fn drain_failures(&self) -> Vec<Error> {
+        self.has_failures.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *self.failures.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Records a refusal (allocating nothing but room the list may fail to get) and returns the
+    /// NULL NumPy turns into `MemoryError`.
+    pub(crate) fn refuse(&self, e: Error) -> *mut c_void {
+        {
+            let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+            // Kept for the next cycle exit to report; a workspace used without cycles must not
+            // accumulate them forever. Out of memory, the list may find no room: then the refusal
+            // still reaches the caller through `LAST_REFUSAL`.
+            if failures.len() < MAX_KEPT_FAILURES && failures.try_reserve(1).is_ok() {
+                failures.push(e.clone());
+            }
+        }
+        self.has_failures.store(true, Ordering::Relaxed);
+        LAST_REFUSAL.with(|r| *r.borrow_mut() = Some(e));
+        null_mut()
+    }
+
+    /// A block for NumPy from the workspace (outside its accounts once it is destroyed: the
+    /// core decides); NULL for a refusal.
+    pub(crate) fn alloc(&self, size: usize, zeroed: bool) -> *mut c_void {
+        if !self.host_accessible {
+            // Device memory under a NumPy array would crash the first read.
+            return self.refuse(Error::unavailable("a device workspace's memory cannot hold NumPy arrays"));
+        }
+        let r = if zeroed { self.lock().alloc_zeroed(size) } else { self.lock().alloc(size) };
+        match r {
+            Ok(p) => p.as_ptr().cast(),
+            Err(e) => self.refuse(e),
+        }
+    }
+
+    /// Frees `p` if it is a block of this workspace; says whether it was.
+    ///
+    /// # Safety
+    /// `p` is a block NumPy frees through a handler of this workspace: its own, or one a handler
+    /// below served; freed once.
+    pub(crate) unsafe fn free_if_ours(&self, p: NonNull<u8>) -> bool {
+        // SAFETY: the caller's guarantee: `p` starts a block of this workspace or of another
+        // allocator.
+        unsafe { self.lock().free_if_ours(p) }
+    }
+
+    /// The kind of `p` if it is a live block of this workspace.
+    ///
+    /// # Safety
+    /// As for [`Shared::free_if_ours`]; `p` is live.
+    pub(crate) unsafe fn kind_of(&self, p: NonNull<u8>) -> Option<BlockKind> {
+        // SAFETY: forwarded.
+        unsafe { self.lock().find_block(p) }.map(|b| b.kind)
+    }
+}
+
+/// One open scope, shared by its node (and the nodes rebuilt for it) and its owner.
+#[derive(Debug)]
+pub(crate) struct ScopeState {
+    /// The thread that opened it.
+    pub thread: u64,
+    /// Until it exits.
+    pub open: AtomicBool,
+    /// Whether it opened a cycle of its workspace (else it nests in one, or borrows).
+    cycle: AtomicBool,
+    /// The asyncio task that opened it (its address), or 0 outside any running task: tasks of
+    /// one thread that enter the same workspace run cycles of their own, not nested ones.
+    pub task: usize,
+    /// The `contextvars.Context` it was (re)opened in (its address; 0: not known): capture stays
+    /// in it, not in copies of it (see `threadstate`).
+    context: AtomicUsize,
+    /// The Python frame that entered it (its address; 0: none): the one place, besides its own
+    /// thread, where an exit of it is its owner's (a generator or coroutine finalised on another
+    /// thread runs its exit in that frame).
+    frame: AtomicUsize,
+}
+
+impl ScopeState {
+    pub fn new(cycle: bool, task: usize) -> Arc<Self> {
+        Arc::new(ScopeState {
+            thread: thread_ident(),
+            open: AtomicBool::new(true),
+            cycle: AtomicBool::new(cycle),
+            task,
+            context: AtomicUsize::new(0),
+            frame: AtomicUsize::new(caller_frame()),
+        })
+    }
+
+    pub fn opened_cycle(&self) -> bool {
+        self.cycle.load(Ordering::Relaxed)
+    }
+
+    /// Open, and this is where it was opened: its thread, and its context (not a copy of it).
+    #[inline]
+    pub fn is_here(&self) -> bool {
+        if !self.open.load(Ordering::Relaxed) || self.thread != thread_ident() {
+            return false;
+        }
+        let mine = self.context.load(Ordering::Relaxed);
+        mine == 0 || {
+            let now = crate::threadstate::current_context();
+            now == 0 || now == mine
+        }
+    }
+
+    /// Records the context it runs in now (after it was pushed or reopened: the push made sure
+    /// the thread has one).
+    pub fn mark_context(&self) {
+        self.context.store(crate::threadstate::current_context(), Ordering::Relaxed);
+    }
+
+    /// Whether the frame running now is the one that entered it.
+    pub fn entered_here(&self) -> bool {
+        let frame = self.frame.load(Ordering::Relaxed);
+        frame != 0 && frame == caller_frame()
+    }
+
+    /// Closes it; returns whether it was open.
+    pub fn close(&self) -> bool {
+        self.open.swap(false, Ordering::Relaxed)
+    }
+
+    /// Opens it again (the loop form's next iteration, a `with` reopening it in place), from the
+    /// frame running now.
+    pub fn reopen(&self, cycle: bool) {
+        self.cycle.store(cycle, Ordering::Relaxed);
+        self.frame.store(caller_frame(), Ordering::Relaxed);
+        self.open.store(true, Ordering::Relaxed);
+        self.mark_context();
+    }
+}
+
+/// The Python frame running on this thread (its address), or 0.
+pub(crate) fn caller_frame() -> usize {
+    // SAFETY: the GIL is held by every caller (scopes are entered and left from Python); the
+    // result is a borrowed frame, only compared by address. Making the frame object can fail for
+    // want of memory: then no frame is recorded and the error is cleared.
+    unsafe {
+        let f = ffi::PyEval_GetFrame();
+        if f.is_null() && !ffi::PyErr_Occurred().is_null() {
+            ffi::PyErr_Clear();
+        }
+        f as usize
+    }
+}
+
+/// The Python identity of the calling thread.
+pub fn thread_ident() -> u64 {
+    // SAFETY: a plain query, callable with or without the GIL.
+    unsafe { ffi::PyThread_get_thread_ident() as u64 }
+}
+
+fn handler_name(text: &str) -> [c_char; 127] {
+    let mut name = [0 as c_char; 127];
+    for (dst, src) in name.iter_mut().zip(text.bytes().filter(|b| *b != 0).take(126)) {
+        *dst = src as c_char;
+    }
+    name
+}

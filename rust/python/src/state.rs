@@ -1,0 +1,234 @@
+//! What a workspace's Python object holds ([`CoreState`]): the core behind its lock and NumPy
+//! memory handler ([`Shared`]), where its memory comes from ([`Memory`]), and the scopes it has
+//! open; and what it does with them: open and close its cycles and scopes (`with ws:` and the
+//! loop form), report what they refused and what escaped them, and make its arrays and blocks.
+//! The Python class (`WorkspaceCore`, in `workspace`) and the loop form (`cycles`) build on it.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+
+use crate::calls::{self, Arg};
+use crate::devarray::DeviceSide;
+use crate::device::{reclaim, Block, Memory};
+use crate::errors::{self, to_py};
+use crate::shared::{ScopeState, Shared};
+use crate::{arrays, scope};
+
+/// What a workspace's Python object holds.
+pub(crate) struct CoreState {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) capsule: Py<PyAny>,
+    /// `use_cycle_detector`: report arrays that outlive their cycle.
+    pub(crate) cycle_detector: bool,
+    /// Where the memory comes from (and the CUDA device, for device workspaces).
+    pub(crate) memory: Arc<Memory>,
+    /// Set once for device workspaces: their `empty` / `zeros` return `DeviceArray`s.
+    pub(crate) device: std::sync::OnceLock<DeviceSide>,
+    /// The states of this workspace's open scopes (`with ws:`), innermost last: an exit that
+    /// runs where its scope is not in the stack closes one through them.
+    pub(crate) open_scopes: std::sync::Mutex<Vec<Arc<ScopeState>>>,
+}
+
+impl CoreState {
+    /// A new ndarray over this workspace's memory (refused for device memory).
+    pub(crate) fn new_array<'py>(
+        &self,
+        py: Python<'py>,
+        shape: &Bound<'py, PyAny>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        order: &str,
+        zeroed: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        arrays::new_array(py, &self.shared, self.capsule.bind(py), self.shared.bypass, shape, dtype, order, zeroed)
+    }
+
+    /// A new block of `nbytes` from this workspace, zero-filled when `zeroed`.
+    pub(crate) fn new_block(&self, py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<Block> {
+        Block::new_py(py, &self.memory, nbytes, zeroed)
+    }
+
+    /// Whether a scope of this workspace opened now pushes a capture handler.
+    pub(crate) fn installs_handler(&self) -> bool {
+        self.shared.installs_handler()
+    }
+
+    /// Opens a scope of this workspace in this thread's or task's stack: a cycle of its own, or
+    /// (`with ws:` inside an open `with ws:` here, `nests`) a level nested in this stack's open
+    /// cycle. The loop form always opens a cycle of its own: each iteration is one.
+    pub(crate) fn enter_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>, nests: bool) -> PyResult<Arc<ScopeState>> {
+        let task = scope::current_task(py);
+        let nested = nests && scope::is_open_here(py, me, task)?;
+        // The guard is dropped before any Python runs: building an exception can run the GC,
+        // which may free this workspace's arrays and take the lock again.
+        let entered = if nested { self.shared.lock().nest() } else { self.shared.lock().open_cycle() };
+        entered.map_err(|e| to_py(py, e))?;
+        let undo = |e: PyErr| {
+            let mut ws = self.shared.lock();
+            let _ = if nested { ws.unnest() } else { ws.close_cycle().map(drop) };
+            e
+        };
+        let installs = self.installs_handler();
+        // The node the last `with` of this workspace left here, reopened in place; else a new one.
+        let reopened = if nests { scope::reopen(py, me, installs, !nested, task).map_err(undo)? } else { None };
+        let state = match reopened {
+            Some(state) => state,
+            None => {
+                let how = if installs {
+                    scope::Install::Capture(self.shared.clone(), self.capsule.bind(py))
+                } else {
+                    scope::Install::Keep
+                };
+                let state = ScopeState::new(!nested, task);
+                scope::push(py, me, me, how, state.clone()).map_err(undo)?;
+                state
+            }
+        };
+        self.remember_scope(py, &state).map_err(undo)?;
+        Ok(state)
+    }
+
+    /// Lists `state` among the open scopes (room first: none is a `MemoryError`, and nothing is
+    /// left half done).
+    fn remember_scope(&self, py: Python<'_>, state: &Arc<ScopeState>) -> PyResult<()> {
+        let mut open = self.open_scopes.lock().unwrap_or_else(|e| e.into_inner());
+        if open.try_reserve(1).is_err() {
+            drop(open);
+            state.close();
+            return Err(errors::no_memory(py));
+        }
+        open.push(state.clone());
+        Ok(())
+    }
+
+    /// The loop form's end of an iteration: closes `state`'s cycle and leaves its node in place
+    /// for the next iteration.
+    pub(crate) fn end_iteration(&self, py: Python<'_>, me: &Bound<'_, PyAny>, state: &ScopeState) -> PyResult<()> {
+        state.close();
+        self.end_level(py, me, state, true)
+    }
+
+    /// Ends what `state` opened in the core (its cycle, or its nested level), then reports
+    /// refused requests and escaped arrays (see `after_cycle`); nothing once destroyed.
+    fn end_level(&self, py: Python<'_>, me: &Bound<'_, PyAny>, state: &ScopeState, clean: bool) -> PyResult<()> {
+        if self.shared.is_destroyed() {
+            return Ok(());
+        }
+        let ended = {
+            let mut ws = self.shared.lock();
+            if state.opened_cycle() {
+                ws.close_cycle()
+            } else {
+                ws.unnest().map(|()| rustws_core::CycleReport::default())
+            }
+        };
+        reclaim(py, &self.memory);
+        let r = ended.map_err(|e| to_py(py, e))?;
+        self.after_cycle(py, me, r, clean)
+    }
+
+    /// The loop form's next iteration in the scope of `state`, reopened in place (a cycle of its
+    /// own); false when its node is no longer in this stack (then a scope is entered anew).
+    pub(crate) fn begin_iteration(&self, py: Python<'_>, state: &ScopeState, in_stack: bool) -> PyResult<bool> {
+        if !in_stack {
+            return Ok(false);
+        }
+        let opened = self.shared.lock().open_cycle();
+        opened.map_err(|e| to_py(py, e))?;
+        state.reopen(true);
+        Ok(true)
+    }
+
+    /// Drops `state` from the open scopes (its node stays, closed, until settled).
+    pub(crate) fn forget_scope(&self, state: &Arc<ScopeState>) {
+        self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| !Arc::ptr_eq(s, state));
+    }
+
+    /// Reports refused requests and escaped arrays through `_after_cycle`, when there are any.
+    pub(crate) fn after_cycle(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        r: rustws_core::CycleReport,
+        clean: bool,
+    ) -> PyResult<()> {
+        let failures = self.shared.has_failures.load(Ordering::Relaxed);
+        let leaked = r.completed && r.escaped_blocks > 0 && self.cycle_detector;
+        if failures || leaked {
+            let names = calls::names(py)?;
+            let args = [Arg::Bool(leaked && clean), Arg::Int(r.escaped_blocks), Arg::Int(r.escaped_bytes)];
+            calls::call_method(me, &names.after_cycle, &args)?;
+        }
+        Ok(())
+    }
+
+    /// Closes this workspace's innermost scope here (see `__exit__`).
+    pub(crate) fn exit_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>, clean: bool) -> PyResult<()> {
+        match scope::pop(py, me, None)? {
+            scope::Popped::Innermost(state) => self.exit_level(py, me, &state, None, clean),
+            scope::Popped::Unlinked(state, innermost) => self.exit_level(py, me, &state, Some(innermost), clean),
+            scope::Popped::NotHere => {
+                // Not in this stack. The scope whose entering frame runs this exit is its owner's
+                // (a generator or coroutine finalised on another thread or outside its task): it
+                // closes. Any other exit from elsewhere changes nothing.
+                let (owned, any_open) = {
+                    let open = self.open_scopes.lock().unwrap_or_else(|e| e.into_inner());
+                    (open.iter().rev().find(|s| s.entered_here()).cloned(), !open.is_empty())
+                };
+                let what = scope::describe(me);
+                match owned {
+                    Some(state) => {
+                        state.close();
+                        self.exit_level(py, me, &state, None, clean)
+                    }
+                    None if any_open => Err(errors::new(
+                        py,
+                        errors::Class::Scope,
+                        &format!(
+                            "{what} exited on another thread or task than the one that entered it; nothing changed"
+                        ),
+                    )),
+                    None => Err(errors::new(py, errors::Class::Scope, &format!("{what} is not open (exited twice?)"))),
+                }
+            }
+        }
+    }
+
+    /// The loop form leaves the scope of `state`, wherever it runs (its iterator dropped on another
+    /// thread closes it all the same).
+    pub(crate) fn exit_state(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        state: &Arc<ScopeState>,
+        clean: bool,
+    ) -> PyResult<()> {
+        match scope::pop(py, me, Some(state))? {
+            scope::Popped::Innermost(_) => self.exit_level(py, me, state, None, clean),
+            scope::Popped::Unlinked(_, innermost) => self.exit_level(py, me, state, Some(innermost), clean),
+            scope::Popped::NotHere => {
+                state.close();
+                self.exit_level(py, me, state, None, clean)
+            }
+        }
+    }
+
+    /// After a scope left the stack: it leaves the open scopes, its level ends, and an exit out
+    /// of order warns.
+    fn exit_level(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        state: &Arc<ScopeState>,
+        unlinked_under: Option<String>,
+        clean: bool,
+    ) -> PyResult<()> {
+        self.forget_scope(state);
+        self.end_level(py, me, state, clean)?;
+        if let Some(innermost) = unlinked_under {
+            scope::warn_unlinked(py, &scope::describe(me), &innermost)?;
+        }
+        Ok(())
+    }
+}
