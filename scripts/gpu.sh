@@ -43,14 +43,14 @@ print("rustws.cuda:", rustws.cuda.device_count(), "device(s);", rustws.cuda.unav
 PY
 } >"$OUTDIR/info.log" 2>&1
 
-run test_cuda "$PY" -m pytest -p no:cacheprovider tests/test_cuda.py -v -rs
-run suite "$PY" -m pytest -p no:cacheprovider tests -q -rs --ignore tests/test_cuda.py
+run test_cuda "$PY" -m pytest -p no:cacheprovider tests/devices/test_cuda.py -v -rs
+run suite "$PY" -m pytest -p no:cacheprovider tests -q -rs --ignore tests/devices/test_cuda.py
 run bench "$PY" benches/gpu.py --out "$OUTDIR/gpu.json"
 # Under memcheck, less the test that asks the driver for 1 PiB: the sanitizer reports the refusal
 # that the test provokes (an API error, not a memory error).
 if command -v compute-sanitizer >/dev/null; then
     XLA_PYTHON_CLIENT_PREALLOCATE=false run memcheck timeout 300 compute-sanitizer --tool memcheck \
-        --error-exitcode 3 "$PY" -m pytest -p no:cacheprovider tests/test_cuda.py -q -rs \
+        --error-exitcode 3 "$PY" -m pytest -p no:cacheprovider tests/devices/test_cuda.py -q -rs \
         -k "not out_of_memory"
 else
     echo "compute-sanitizer is not installed: no memcheck run" | tee "$OUTDIR/memcheck.log"

@@ -1,5 +1,5 @@
 """Functions decorated with ``@rustws.cycle`` at module level, so that process pools can pickle them by
-name (tests/test_cycle.py)."""
+name (tests/capture/test_cycle.py, tests/tools/test_ray.py)."""
 
 from __future__ import annotations
 

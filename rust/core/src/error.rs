@@ -122,6 +122,16 @@ impl Error {
         Error::Destroyed { workspace: workspace.clone() }
     }
 
+    /// `operation` needs an open cycle of `workspace`, and none is open.
+    pub fn not_open(workspace: &Name, operation: &'static str) -> Self {
+        Error::NotOpen { workspace: workspace.clone(), operation }
+    }
+
+    /// The system (or a backend under the workspace) refused `requested` bytes for `cause`.
+    pub fn system(workspace: &Name, requested: u64, cause: BackendError) -> Self {
+        Error::SystemOutOfMemory { workspace: workspace.clone(), requested, cause }
+    }
+
     /// A device that refused `cause` (a fill, a copy).
     pub fn device(what: &'static str, cause: BackendError) -> Self {
         Error::Unavailable { what: Cow::Borrowed(what), cause: Some(cause) }

@@ -223,13 +223,11 @@ impl Workspace {
         let max = if config.max_size > 0 { config.max_size as usize } else { usize::MAX };
         let limit = Arc::new(LimitAdaptor::new(backend.clone(), max));
         let token = NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let own = OwnBlocks::new(limit.clone(), backend.clone(), token).map_err(|cause| Error::SystemOutOfMemory {
-            workspace: Name::from(name),
-            requested: cause.bytes as u64,
-            cause,
-        })?;
+        let name = Name::from(name);
+        let own = OwnBlocks::new(limit.clone(), backend.clone(), token)
+            .map_err(|cause| Error::system(&name, cause.bytes as u64, cause))?;
         let mut ws = Workspace {
-            name: Name::from(name),
+            name,
             token,
             route: Route::new(&config, debug, &*backend),
             learner: CycleLearner::new(&config),
@@ -396,7 +394,7 @@ impl Workspace {
 
     fn system_refused(&mut self, size: usize, cause: BackendError) -> Error {
         self.accounts.failures += 1;
-        Error::SystemOutOfMemory { workspace: self.name.clone(), requested: size as u64, cause }
+        Error::system(&self.name, size as u64, cause)
     }
 
     // -- the arena's size --------------------------------------------------------------------------
@@ -532,7 +530,7 @@ impl Workspace {
     pub fn nest(&mut self) -> Result<(), Error> {
         self.check_alive()?;
         if self.cycles.active == 0 {
-            return Err(Error::NotOpen { workspace: self.name.clone(), operation: "nest" });
+            return Err(Error::not_open(&self.name, "nest"));
         }
         self.cycles.nesting += 1;
         Ok(())
@@ -541,7 +539,7 @@ impl Workspace {
     /// Leaves a nested level.
     pub fn unnest(&mut self) -> Result<(), Error> {
         if self.cycles.nesting == 0 {
-            return Err(Error::NotOpen { workspace: self.name.clone(), operation: "exit" });
+            return Err(Error::not_open(&self.name, "exit"));
         }
         self.cycles.nesting -= 1;
         Ok(())
@@ -570,7 +568,7 @@ impl Workspace {
     /// pinned. What escaped is reported then (with cycles overlapping, no block belongs to one).
     pub fn close_cycle(&mut self) -> Result<CycleReport, Error> {
         if self.cycles.active == 0 {
-            return Err(Error::NotOpen { workspace: self.name.clone(), operation: "exit" });
+            return Err(Error::not_open(&self.name, "exit"));
         }
         self.cycles.active -= 1;
         if self.cycles.destroyed {

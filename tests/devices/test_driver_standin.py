@@ -1,8 +1,8 @@
 """The CUDA backend end to end, short of the hardware: the driver stand-in
-(``tests/driver/cuda_standin.c``) is compiled with the machine's C compiler and loaded as
+(``tests/devices/driver/cuda_standin.c``) is compiled with the machine's C compiler and loaded as
 ``libcuda`` by a worker process (``LD_LIBRARY_PATH``), where the real CUDA and pinned-host
 backends, DeviceArray exports, mirroring, errors, context restore and stream-ordered releases run
-(``tests/driver/cases.py``). The GPU suite (``test_cuda.py``) runs there too."""
+(``tests/devices/driver/cases.py``). The GPU suite (``test_cuda.py``) runs there too."""
 
 from __future__ import annotations
 

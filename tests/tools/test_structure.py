@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parent.parent / "rust" / "python" / "src"
+SRC = Path(__file__).resolve().parents[2] / "rust" / "python" / "src"
 USE = re.compile(r"crate::(?:\{([^}]*)\}|([a-z_]+)\b)")
 
 

@@ -7,7 +7,7 @@ import pathlib
 import subprocess
 import sys
 
-SOAK = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+SOAK = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 
 
 def test_soak_short_form():
