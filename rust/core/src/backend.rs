@@ -206,14 +206,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 }
 
+/// The page size, asked of the system once (cycle ends round to it).
 fn page_size() -> usize {
+    static PAGE: AtomicUsize = AtomicUsize::new(0);
+    let known = PAGE.load(Ordering::Relaxed);
+    if known != 0 {
+        return known;
+    }
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
-    }
+    let p = if p > 0 { p as usize } else { 4096 };
+    PAGE.store(p, Ordering::Relaxed);
+    p
 }
 
 /// Bytes of physical memory free right now (`sysconf(_SC_AVPHYS_PAGES)`), or `usize::MAX` when

@@ -87,8 +87,15 @@ struct BlockCache {
     bytes: usize,
 }
 
-/// What recent cycles had live outside the arena: the external cache holds at most that and half
-/// as much again (for blocks of other classes cached meanwhile), together with what lives.
+/// Bytes the external cache keeps inside a cycle when a new block is made (and at least between
+/// cycles): enough for a cycle's recurring small and medium blocks; cached blocks of classes a
+/// cycle of changing sizes no longer asks for go back rather than add to what it holds.
+pub(crate) const SLACK: usize = 4 << 20;
+
+/// What recent cycles had live outside the arena. Between cycles the external cache holds at most
+/// that, together with what lives, so that the next cycle finds its blocks again; inside a cycle,
+/// before a new block is made, it keeps only [`SLACK`] beside what lives, so that a cycle of
+/// changing sizes never holds much more than it uses.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct ExternalPeaks {
     /// Peak slot bytes of live external blocks in the open cycle.
@@ -118,10 +125,11 @@ impl ExternalPeaks {
         self.made = 0;
     }
 
-    /// What the cache may hold with `live` slot bytes live outside the arena.
+    /// What the cache may hold between cycles with `live` slot bytes live outside the arena:
+    /// live and cached together within the recent cycles' peak, or [`SLACK`].
     pub fn cache_budget(&self, live: usize) -> usize {
         let peak = self.window.iter().copied().max().unwrap_or(0).max(self.open).max(live);
-        (peak + peak / 2) - live
+        (peak - live).max(SLACK)
     }
 }
 
@@ -412,21 +420,23 @@ mod tests {
     }
 
     #[test]
-    fn the_cache_budget_is_the_recent_peak_and_half_again() {
+    fn the_cache_holds_the_recent_peak_between_cycles_and_a_slack_at_least() {
+        const M: usize = 1 << 20;
         let mut peaks = ExternalPeaks::default();
         peaks.open_cycle(0);
-        peaks.note(1000);
-        peaks.note(400);
+        peaks.note(100 * M);
+        peaks.note(40 * M);
         peaks.close_cycle(0);
-        assert_eq!(peaks.cache_budget(0), 1500);
-        assert_eq!(peaks.cache_budget(600), 900, "what is live takes its share");
+        assert_eq!(peaks.cache_budget(0), 100 * M);
+        assert_eq!(peaks.cache_budget(60 * M), 40 * M, "what is live takes its share");
+        assert_eq!(peaks.cache_budget(100 * M), SLACK, "at the peak: the slack");
         // Once the window has moved past the peak, the budget follows the smaller cycles.
         for g in 1..=NEED_WINDOW as u64 {
             peaks.open_cycle(0);
-            peaks.note(100);
+            peaks.note(30 * M);
             peaks.close_cycle(g);
         }
         peaks.open_cycle(0);
-        assert_eq!(peaks.cache_budget(0), 150);
+        assert_eq!(peaks.cache_budget(0), 30 * M);
     }
 }

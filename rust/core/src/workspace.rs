@@ -33,7 +33,7 @@ use crate::backend::{page_bytes, BLOCK_ALIGN};
 use crate::classes::{class_of, class_size};
 use crate::config::{AllocationPolicy, DebugMode, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration};
 use crate::error::{BackendError, Error, Name, Refusal};
-use crate::external::OwnBlocks;
+use crate::external::{OwnBlocks, SLACK};
 use crate::huge::{HugeCache, HUGE_BLOCK_MIN};
 use crate::learner::{CycleFacts, CycleLearner, Sizing};
 use crate::regions::{InRegion, Regions};
@@ -769,18 +769,16 @@ impl Workspace {
     }
 
     /// Rung 6: a new block of its own (rounded to `temp_block_size` when one is set), within
-    /// `max_size`, with the external cache kept within what recent cycles used.
+    /// `max_size`, with the external cache kept to a small slack beside what lives.
     fn new_external(&mut self, req: Request) -> Result<NonNull<u8>, Error> {
         let mut len = req.slot;
         if self.config.temp_block_size > 0 {
             let g = self.config.temp_block_size as usize;
             len = len.div_ceil(g).saturating_mul(g);
         }
-        // Memory outside the arena stays within what the recent cycles had live there, and half
-        // as much again for blocks of other classes cached meanwhile: beyond that, cached blocks
-        // go back before a new one is made.
-        let live = self.accounts.external_slot.saturating_add(len);
-        self.own.shrink_to(self.own.peaks.cache_budget(live));
+        // Inside a cycle, cached blocks of other classes go back before a new block is made,
+        // but for a small slack: memory outside the arena stays within what lives there.
+        self.own.shrink_to(SLACK);
         let epoch = self.cycles.epoch;
         let p =
             self.within_limit(req.size, |ws| ws.own.new_block(BlockKind::External, req.size, len, req.zeroed, epoch))?;
@@ -1234,5 +1232,42 @@ mod tests {
         // SAFETY: live, freed once.
         unsafe { w.free(p) };
         assert_eq!(w.bad_frees(), 0, "the block was found and freed");
+    }
+
+    /// A long first cycle of changing sizes holds what lives and a small slack, never the blocks
+    /// of every class it once used.
+    #[test]
+    fn a_first_cycle_of_changing_sizes_keeps_only_a_slack_beside_what_lives() {
+        let mut w = heap(WorkspaceConfiguration::default());
+        w.enter().unwrap();
+        let mut live: Vec<(NonNull<u8>, usize)> = Vec::new();
+        let mut size = 3000usize;
+        let mut worst = 0usize;
+        for i in 0..300 {
+            size = (size * 7 + i * 977) % (3 << 20) + 1000;
+            let before = w.footprint();
+            live.push((w.alloc(size).unwrap(), size));
+            // Memory is taken only as a block is made (a cached one was resident already): then
+            // the workspace holds what lives (with class rounding, at most a quarter more) and
+            // the slack.
+            let held: usize = live.iter().map(|&(_, n)| n + HEADER).sum();
+            let bound = held + held / 4 + SLACK;
+            if w.footprint() > before {
+                worst = worst.max(w.footprint() * 100 / bound);
+                assert!(w.footprint() <= bound, "step {i}: holds {} for {held} live", w.footprint());
+            }
+            if live.len() > 4 {
+                let (p, _) = live.remove(0);
+                // SAFETY: live, freed once.
+                unsafe { w.free(p) };
+            }
+        }
+        assert!(w.external_cached_bytes() <= SLACK + (3 << 20));
+        for (p, _) in live {
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+        }
+        w.exit().unwrap();
+        assert!(worst > 0);
     }
 }

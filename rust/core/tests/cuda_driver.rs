@@ -1,4 +1,4 @@
-//! The CUDA backends over the driver stand-in (`tests/driver/cuda_standin.c`): what the shared
+//! The CUDA backends over the driver stand-in (`tests/devices/driver/cuda_standin.c`): what the shared
 //! conformance suite cannot see — device discovery and its errors, out-of-memory, the calling
 //! thread's context, releases queued off the workspace lock, and stream-ordered release events.
 //! The stand-in logs the driver calls, so the tests check their order.

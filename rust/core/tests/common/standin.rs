@@ -1,4 +1,4 @@
-//! The CUDA driver stand-in (`tests/driver/cuda_standin.c` at the repository root): compiled here
+//! The CUDA driver stand-in (`tests/devices/driver/cuda_standin.c` at the repository root): compiled here
 //! with the machine's C compiler and loaded before cudarc looks for a driver, so that the real
 //! `CudaMemory` and `PinnedHostMemory` backends run over host memory. The library's SONAME is
 //! `libcuda.so`, the first name cudarc tries, so its lookup finds the copy already loaded.
@@ -51,7 +51,7 @@ impl Standin {
 }
 
 fn source() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/driver/cuda_standin.c")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/devices/driver/cuda_standin.c")
 }
 
 /// Compiles (once per test binary) and loads the stand-in; panics with the compiler's output
