@@ -42,6 +42,13 @@ WORKLOADS: dict[str, tuple[str, int | None, int, int]] = {
     "W1-64MiB": ("3 temporaries per step, float32, 64 MiB", 64 << 20, 16, 6),
     "W2-256B": ("3 temporaries per step, float32, 256 B", 256, 20000, 4000),
     "W2-4KiB": ("3 temporaries per step, float32, 4 KiB", 4096, 20000, 4000),
+    "W2-mixed": (
+        "3 temporaries per step at each of 64 B, 512 B, 2 KiB, 16 KiB (under and over 1 KiB), "
+        "a cycle per step",
+        None,
+        8000,
+        2000,
+    ),
     "W3-SGD": ("SGD step, X 4096x1024 float32, weights escape every cycle", None, 60, 15),
     "W4-long": ("one long cycle around 100 steps of W1 at 1 MiB", 1 << 20, 3, 2),
     "W5-first": (
@@ -49,6 +56,12 @@ WORKLOADS: dict[str, tuple[str, int | None, int, int]] = {
         None,
         120,
         60,
+    ),
+    "W5-mixed": (
+        "one long first cycle: 400 steps of log-uniform sizes 700 B-20 MB, the last six results kept",
+        None,
+        400,
+        200,
     ),
     "W6-warmup": ("an empty first cycle, then 3 temporaries of 64 float32 per cycle", 256, 20000, 4000),
     "W7-keep": (
@@ -59,6 +72,13 @@ WORKLOADS: dict[str, tuple[str, int | None, int, int]] = {
     ),
     "W7-pool4": ("W7 on a pool of 4 threads, each with its own workspace", None, 3000, 600),
     "W8-state": ("a step of 8 MB float32 temporaries with a state that escapes each cycle", 8 << 20, 60, 15),
+    "W9-power": (
+        "covariance X.T @ X of a 4096x512 float32 batch, then 16 normalised power iterations, "
+        "a cycle per batch",
+        None,
+        60,
+        15,
+    ),
     "SKLEARN-fit": (
         "scikit-learn MLPClassifier((512, 512), batch 4000, 4 epochs) on 16000x256, fit in one cycle",
         None,
@@ -72,9 +92,9 @@ WORKLOADS: dict[str, tuple[str, int | None, int, int]] = {
         2,
     ),
 }
-FAMILIES = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "SKLEARN", "SPARSE")
+FAMILIES = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "SKLEARN", "SPARSE")
 # Workloads with a hand-written no-allocation version (the limit).
-WITH_LIMIT = ("W1", "W2", "W3", "W4", "W8")
+WITH_LIMIT = ("W1", "W2", "W3", "W4", "W8", "W9")
 # Steps timed together: the median is over chunks of this many (a cycle's own cost falls between
 # steps, so each chunk times whole cycles).
 CHUNKS = 20
@@ -128,7 +148,7 @@ def sklearn_available() -> bool:
     return importlib.util.find_spec("sklearn") is not None
 
 
-def _first_cycle_workload(family: str, ws: Any, steps: int) -> tuple[Any, int, int]:
+def _first_cycle_workload(family: str, ws: Any, steps: int, steps_kind: str = "") -> tuple[Any, int, int]:
     """W5, SKLEARN and SPARSE, on a fresh workspace ``ws`` (None: plain NumPy): the function to
     time, the steps one call makes and the number of calls."""
     import contextlib
@@ -136,6 +156,23 @@ def _first_cycle_workload(family: str, ws: Any, steps: int) -> tuple[Any, int, i
     def cycle() -> contextlib.AbstractContextManager[Any]:
         return ws if ws is not None else contextlib.nullcontext()
 
+    if family == "W5" and steps_kind == "mixed":
+        rng = np.random.default_rng(0)
+        counts = (np.exp(rng.uniform(np.log(700), np.log(20e6), steps)) // 8).astype(int)
+        big = np.random.default_rng(1).random(int(20e6) // 8)
+
+        def run_mixed() -> None:
+            with cycle():
+                keep = []
+                for n in counts:
+                    x = big[:n]
+                    t = x * 1.5
+                    v = np.sqrt(t + 1.0) - t
+                    keep.append(v)
+                    if len(keep) > 6:
+                        keep.pop(0)
+
+        return run_mixed, steps, 1
     if family == "W5":
         sizes = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 32 << 20]
         order = np.random.default_rng(0).choice(len(sizes), size=steps, p=[0.2, 0.2, 0.2, 0.15, 0.15, 0.1])
@@ -256,7 +293,7 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
     loop: Any
     if family in ("W5", "SKLEARN", "SPARSE"):
         # First cycles on a fresh workspace: no warm-up; W5 and the fit are one cycle each.
-        run, per_call, repeat = _first_cycle_workload(family, ws, steps)
+        run, per_call, repeat = _first_cycle_workload(family, ws, steps, workload.split("-")[1])
         warmup = 0
 
         def first(k: int) -> None:
@@ -264,6 +301,44 @@ def _worker(workload: str, variant: str, steps: int) -> dict[str, Any]:
                 run()
 
         loop = first
+    elif workload == "W2-mixed":
+        sizes = (64, 512, 2048, 16384)
+        xs = [np.random.default_rng(k).random(n // 4, dtype=np.float32) for k, n in enumerate(sizes)]
+        ws_ = [np.full(x.size, 0.5, np.float32) for x in xs]
+        outs = [[np.empty(x.size, np.float32) for _ in range(3)] for x in xs] if variant == "limit" else []
+
+        def mixed() -> None:
+            for k in range(4):
+                if variant == "limit":
+                    o = outs[k]
+                    np.multiply(xs[k], ws_[k], out=o[0])
+                    np.add(o[0], 1, out=o[1])
+                    np.tanh(o[1], out=o[2])
+                else:
+                    _w1_body(xs[k], ws_[k])
+
+        loop = _loop(ws, mixed)
+    elif family == "W9":
+        rng = np.random.default_rng(0)
+        X = rng.standard_normal((4096, 512), dtype=np.float32)
+        v0 = rng.standard_normal(512, dtype=np.float32)
+        C, v, u = np.empty((512, 512), np.float32), np.empty(512, np.float32), np.empty(512, np.float32)
+
+        def power() -> None:
+            if variant == "limit":
+                np.matmul(X.T, X, out=C)
+                v[:] = v0
+                for _ in range(16):
+                    np.matmul(C, v, out=u)
+                    np.divide(u, np.linalg.norm(u), out=v)
+            else:
+                c = X.T @ X
+                w = v0
+                for _ in range(16):
+                    z = c @ w
+                    w = z / np.linalg.norm(z)
+
+        loop = _loop(ws, power)
     elif family in ("W1", "W2", "W4", "W6"):
         assert nbytes is not None
         n = nbytes // 4

@@ -25,7 +25,7 @@ pub const PAGE_ALIGNED_SIZE: usize = class_size_of(PAGE_ALIGNED_FROM);
 const _: () = assert!(PAGE_ALIGNED_SIZE == 128 << 10 && class_size_of(PAGE_ALIGNED_FROM - 1) < 128 << 10);
 
 /// The class of a request of `size` bytes (0 counts as 1); None above [`MAX_CLASS_SIZE`].
-#[inline]
+#[inline(always)]
 pub fn class_of(size: usize) -> Option<usize> {
     if size <= 1024 {
         return Some(size.max(1).div_ceil(64) - 1);
@@ -41,7 +41,7 @@ pub fn class_of(size: usize) -> Option<usize> {
 }
 
 /// The data size of class `c` (the largest request it serves).
-#[inline]
+#[inline(always)]
 pub fn class_size(c: usize) -> usize {
     CLASS_SIZES[c]
 }

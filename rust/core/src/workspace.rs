@@ -146,6 +146,7 @@ struct Request {
 }
 
 impl Request {
+    #[inline(always)]
     fn new(size: usize, zeroed: bool) -> Option<Self> {
         let class = class_of(size)?;
         Some(Request { size, class, slot: class_size(class) + HEADER, zeroed, outside: size })
