@@ -80,6 +80,8 @@ def _library_versions() -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import _bench
+
     parser = argparse.ArgumentParser(prog="python -m rustws", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="a training loop with and without workspaces, side by side")
@@ -93,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     bench.add_argument(
         "--workloads",
-        default="W1,W2,W3,W4,W5,W6,W7,W8,SKLEARN,SPARSE",
-        help="comma-separated subset of W1,W2,W3,W4,W5,W6,W7,W8,SKLEARN,SPARSE",
+        default=",".join(_bench.FAMILIES),
+        help=f"comma-separated subset of {','.join(_bench.FAMILIES)}",
     )
     bench.add_argument("--repeats", type=int, default=None, help="runs per variant (median reported)")
     bench.add_argument("--out", default="bench-results", help="folder for the JSON results and the chart")
@@ -110,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         from ._demo import run_demo
 
         return run_demo(quick=args.quick, steps=args.steps, out=args.out, quiet=args.quiet)
-    from ._bench import run_bench
 
-    return run_bench(
+    return _bench.run_bench(
         quick=args.quick, workloads=args.workloads, repeats=args.repeats, out=args.out, quiet=args.quiet
     )
 

@@ -226,6 +226,58 @@ class Workspace(_rustws.WorkspaceCore):
         # returns DeviceArrays and says so).
         def __enter__(self) -> Workspace: ...
 
+        # ``asarray``: as ``np.asarray``, the result in this workspace (a list or tuple made here
+        # directly where the workspace captures; anything else through ``_asarray``).
+        def asarray(
+            self, a: ArrayLike, dtype: DTypeLike | None = None, order: OrderKACF | None = None
+        ) -> NDArray[Any]: ...
+
+        # ``empty_like`` and ``zeros_like``: NumPy's ``*_like``, an ndarray prototype built in the
+        # bindings directly, anything else through ``_like`` (subclasses kept with ``subok``).
+        @overload
+        def empty_like(
+            self,
+            a: _ArrayT,
+            dtype: None = None,
+            order: OrderKACF = "K",
+            subok: Literal[True] = True,
+            shape: None = None,
+        ) -> _ArrayT: ...
+        @overload
+        def empty_like(
+            self,
+            a: ArrayLike,
+            dtype: DTypeLike | None = None,
+            order: OrderKACF = "K",
+            subok: bool = True,
+            shape: ShapeLike | None = None,
+        ) -> NDArray[Any]: ...
+        def empty_like(
+            self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+        ) -> Any: ...
+
+        @overload
+        def zeros_like(
+            self,
+            a: _ArrayT,
+            dtype: None = None,
+            order: OrderKACF = "K",
+            subok: Literal[True] = True,
+            shape: None = None,
+        ) -> _ArrayT: ...
+        @overload
+        def zeros_like(
+            self,
+            a: ArrayLike,
+            dtype: DTypeLike | None = None,
+            order: OrderKACF = "K",
+            subok: bool = True,
+            shape: ShapeLike | None = None,
+        ) -> NDArray[Any]: ...
+        def zeros_like(
+            self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
+        ) -> Any: ...
+
         @overload
         def empty(self, shape: ShapeLike, dtype: None = None, order: str = "C") -> NDArray[np.float64]: ...
         @overload
@@ -257,9 +309,10 @@ class Workspace(_rustws.WorkspaceCore):
     # for the call, so subclasses and their ``__array_finalize__`` behave exactly as in NumPy.
     def _numpy_here(self, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``make(*args, **kwargs)`` with this workspace as NumPy's allocator (whatever scopes are
-        open); a refusal raises ``WorkspaceOutOfMemory`` with the workspace's reason."""
+        open; nothing to install where it captures here already); a refusal raises
+        ``WorkspaceOutOfMemory`` with the workspace's reason."""
         self._check_alive()
-        previous = _rustws.set_handler(self.handler)
+        previous = None if self._captures_here() else _rustws.set_handler(self.handler)
         try:
             return make(*args, **kwargs)
         except MemoryError as e:
@@ -270,7 +323,8 @@ class Workspace(_rustws.WorkspaceCore):
                 raise
             raise refusals[-1] from None
         finally:
-            _rustws.set_handler(previous)
+            if previous is not None:
+                _rustws.set_handler(previous)
 
     def full(
         self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: str = "C"
@@ -321,54 +375,6 @@ class Workspace(_rustws.WorkspaceCore):
         out = self._ndarray(shp, dt, o)
         np.copyto(out, fill, casting="unsafe")
         return out
-
-    @overload
-    def empty_like(
-        self,
-        a: _ArrayT,
-        dtype: None = None,
-        order: OrderKACF = "K",
-        subok: Literal[True] = True,
-        shape: None = None,
-    ) -> _ArrayT: ...
-    @overload
-    def empty_like(
-        self,
-        a: ArrayLike,
-        dtype: DTypeLike | None = None,
-        order: OrderKACF = "K",
-        subok: bool = True,
-        shape: ShapeLike | None = None,
-    ) -> NDArray[Any]: ...
-    def empty_like(
-        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
-    ) -> Any:
-        """As ``np.empty_like``, over workspace memory (subclasses kept with ``subok``)."""
-        return self._like(a, dtype, order, subok, shape, None)
-
-    @overload
-    def zeros_like(
-        self,
-        a: _ArrayT,
-        dtype: None = None,
-        order: OrderKACF = "K",
-        subok: Literal[True] = True,
-        shape: None = None,
-    ) -> _ArrayT: ...
-    @overload
-    def zeros_like(
-        self,
-        a: ArrayLike,
-        dtype: DTypeLike | None = None,
-        order: OrderKACF = "K",
-        subok: bool = True,
-        shape: ShapeLike | None = None,
-    ) -> NDArray[Any]: ...
-    def zeros_like(
-        self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
-    ) -> Any:
-        """As ``np.zeros_like``, over workspace memory."""
-        return self._like(a, dtype, order, subok, shape, 0)
 
     @overload
     def ones_like(
@@ -426,11 +432,18 @@ class Workspace(_rustws.WorkspaceCore):
         """As ``np.full_like``, over workspace memory."""
         return self._like(a, dtype, order, subok, shape, fill_value)
 
-    def asarray(
+    def _asarray(
         self, a: ArrayLike, dtype: DTypeLike | None = None, order: OrderKACF | None = None
     ) -> NDArray[Any]:
-        """As ``np.asarray``, with the result in this workspace: ``a`` itself (as an ndarray) when
-        it already lives here with that dtype and order, else a copy made here."""
+        """``asarray`` past the bindings' fast path: ``a`` itself (as an ndarray) when it already
+        lives here with that dtype and order, else a copy made here."""
+        if type(a) in (list, tuple):
+            # A Python sequence always becomes new memory: made here directly, once.
+            if dtype is not None:
+                _refuse_objects(np.dtype(dtype))
+            made: NDArray[Any] = self._numpy_here(np.asarray, a, dtype=dtype, order=order)
+            _refuse_objects(made.dtype)
+            return made
         src = a if isinstance(a, np.ndarray) else _as_ndarray(a)
         _refuse_objects(src.dtype if dtype is None else np.dtype(dtype))
         if owner(src) is self:

@@ -212,3 +212,32 @@ def test_device_workspaces_take_the_same_signatures():
             assert ws.asarray(d) is d
     finally:
         ws.destroy()
+
+
+def test_the_direct_paths_of_like_and_asarray_keep_numpys_results_and_the_workspaces_errors():
+    cfg = rustws.WorkspaceConfiguration(initial_size="64KiB", policy_learning="NONE", policy_spill="FAIL")
+    ws = rustws.workspace("DIRECT", cfg)
+    big, many = np.zeros(1 << 20), [0.0] * (1 << 16)  # made plainly, before the cycle
+    with ws:
+        # An ndarray prototype: built in the bindings (C and Fortran layouts, zeros over reused
+        # memory), a list or tuple made by NumPy under the capture.
+        for proto in (np.arange(12.0).reshape(3, 4), np.asfortranarray(np.ones((3, 4), np.int32))):
+            for make, want in ((ws.empty_like, np.empty_like), (ws.zeros_like, np.zeros_like)):
+                got, ref = make(proto), want(proto)
+                assert (got.shape, got.dtype, got.strides) == (ref.shape, ref.dtype, ref.strides)
+                assert rustws.owner(got) is ws
+                got[...] = 7
+                del got
+            z = ws.zeros_like(proto)
+            assert (z == 0).all()
+        t = ws.asarray((1.5, 2.5, 3.5))
+        assert t.dtype == np.float64 and rustws.owner(t) is ws and t.tolist() == [1.5, 2.5, 3.5]
+        with pytest.raises(TypeError, match="Python references"):
+            ws.asarray([object(), 1])
+        with pytest.raises(rustws.WorkspaceOutOfMemory, match="DIRECT"):
+            ws.empty_like(big)
+        with pytest.raises(rustws.WorkspaceOutOfMemory, match="DIRECT"):
+            ws.asarray(many)
+    # Outside any cycle (no capture here) a list still lands in the workspace.
+    out = ws.asarray([1.0] * 100)
+    assert rustws.owner(out) is ws

@@ -3,7 +3,7 @@
 //! comes with its `mem_handler`), with NumPy's own allocation path as the fallback.
 
 use numpy::npyffi::npy_intp;
-use numpy::{PyArrayDescr, PyArrayDescrMethods, PY_ARRAY_API};
+use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods, PY_ARRAY_API};
 use pyo3::exceptions::{PyMemoryError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyString, PyTuple};
@@ -100,13 +100,37 @@ pub(crate) fn extract_descr<'py>(
         Some(d) if d.is_none() => numpy::dtype::<f64>(py),
         Some(d) => PyArrayDescr::new(py, d)?,
     };
+    refuse_objects(&descr)?;
+    Ok(descr)
+}
+
+/// `TypeError` for a dtype that holds Python objects: workspace memory never holds references.
+pub(crate) fn refuse_objects(descr: &Bound<'_, PyArrayDescr>) -> PyResult<()> {
     if descr.has_object() {
         return Err(PyTypeError::new_err(format!(
             "dtype {} holds Python objects; workspace memory never holds Python references",
             descr.str()?
         )));
     }
-    Ok(descr)
+    Ok(())
+}
+
+/// `np.asarray(items)` for a list or tuple, made by NumPy with the handler current here (the
+/// caller checked it is a capture of the workspace): the result is new memory of the workspace;
+/// one holding Python objects is refused, and a refusal of the workspace raises its own error.
+pub(crate) fn sequence_array<'py>(py: Python<'py>, items: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    static ASARRAY: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+    let asarray = ASARRAY.get_or_try_init(py, || py.import("numpy")?.getattr("asarray").map(Bound::unbind))?;
+    shared::take_last_refusal();
+    let made = match asarray.bind(py).call1((items,)) {
+        Ok(made) => made,
+        Err(e) if e.is_instance_of::<PyMemoryError>(py) => {
+            return Err(shared::take_last_refusal().map_or(e, |refusal| to_py(py, refusal)));
+        }
+        Err(e) => return Err(e),
+    };
+    refuse_objects(&made.cast::<PyUntypedArray>()?.dtype())?;
+    Ok(made)
 }
 
 /// `PyArrayObject_fields` of NumPy >= 1.22 up to its `mem_handler` field. The layout is checked
@@ -175,13 +199,54 @@ pub(crate) fn new_array<'py>(
     zeroed: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mut shape = extract_shape(shape)?;
-    let dims = shape.as_mut_slice();
     let descr = extract_descr(py, dtype)?;
     let fortran = match order {
         "C" | "c" => 0,
         "F" | "f" => 1,
         other => return Err(PyValueError::new_err(format!("order must be 'C' or 'F', got {other:?}"))),
     };
+    make_array(py, shared, capsule, bypass, shape.as_mut_slice(), descr, fortran, zeroed)
+}
+
+/// NumPy's `empty_like(proto)` / `zeros_like(proto)` over memory of the workspace `shared`, for
+/// an ndarray (not a subclass) that is contiguous and holds no objects: its shape, dtype and
+/// layout. None for any other prototype (the caller takes NumPy's general path).
+pub(crate) fn like_array<'py>(
+    py: Python<'py>,
+    shared: &Shared,
+    capsule: &Bound<'py, PyAny>,
+    bypass: bool,
+    proto: &Bound<'py, PyAny>,
+    zeroed: bool,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    // SAFETY: a type check of a live object.
+    if unsafe { numpy::npyffi::PyArray_CheckExact(py, proto.as_ptr()) } == 0 {
+        return Ok(None);
+    }
+    let a = proto.cast::<PyUntypedArray>()?;
+    let descr = a.dtype();
+    let (c, f) = (a.is_c_contiguous(), a.is_fortran_contiguous());
+    if descr.has_object() || !(c || f) {
+        return Ok(None);
+    }
+    let mut dims: Vec<npy_intp> = a.shape().iter().map(|&d| d as npy_intp).collect();
+    let fortran = std::ffi::c_int::from(f && !c);
+    make_array(py, shared, capsule, bypass, &mut dims, descr, fortran, zeroed).map(Some)
+}
+
+/// A new ndarray of `dims` and `descr` (Fortran order when `fortran` is 1) over memory of the
+/// workspace `shared`.
+#[allow(clippy::too_many_arguments)]
+fn make_array<'py>(
+    py: Python<'py>,
+    shared: &Shared,
+    capsule: &Bound<'py, PyAny>,
+    bypass: bool,
+    dims: &mut [npy_intp],
+    descr: Bound<'py, PyArrayDescr>,
+    fortran: std::ffi::c_int,
+    zeroed: bool,
+) -> PyResult<Bound<'py, PyAny>> {
     shared.check_alive().map_err(|e| to_py(py, e))?;
     if !shared.host_accessible {
         return Err(PyTypeError::new_err(format!(

@@ -21,7 +21,7 @@ use crate::errors::{self, to_py};
 use crate::handler;
 use crate::shared::Shared;
 use crate::state::CoreState;
-use crate::{cycles, scope};
+use crate::{arrays, cycles, scope};
 
 /// A workspace: the core behind a lock, and its NumPy memory handler. Subclassed by
 /// `rustws.Workspace`, which adds the context-manager protocol.
@@ -68,6 +68,39 @@ impl WorkspaceCore {
             }
             None => slf.get().new_array(slf.py(), shape, dtype, order, zeroed),
         }
+    }
+}
+
+impl WorkspaceCore {
+    /// `empty_like` / `zeros_like`: the direct path where it applies, else `_like` (Python).
+    fn like<'py>(
+        slf: &Bound<'py, Self>,
+        a: &Bound<'py, PyAny>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        order: Option<&Bound<'py, PyAny>>,
+        subok: Option<&Bound<'py, PyAny>>,
+        shape: Option<&Bound<'py, PyAny>>,
+        zeroed: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let me = slf.get();
+        let keeps_order = order.is_none_or(|o| o.extract::<&str>().is_ok_and(|s| s == "K"));
+        if dtype.is_none() && shape.is_none() && keeps_order && me.device.get().is_none() {
+            let (shared, capsule) = (&me.shared, me.capsule.bind(py));
+            if let Some(array) = arrays::like_array(py, shared, capsule, shared.bypass, a, zeroed)? {
+                return Ok(array);
+            }
+        }
+        let order = match order {
+            Some(o) => o.clone(),
+            None => pyo3::types::PyString::new(py, "K").into_any(),
+        };
+        let subok = match subok {
+            Some(s) => s.clone(),
+            None => pyo3::types::PyBool::new(py, true).to_owned().into_any(),
+        };
+        let fill = if zeroed { 0i32.into_pyobject(py)?.into_any() } else { py.None().into_bound(py) };
+        slf.call_method1("_like", (a, dtype, order, subok, shape, fill))
     }
 }
 
@@ -321,6 +354,12 @@ impl WorkspaceCore {
         (r.cycle, r.allocations, r.spills, r.peak_bytes, r.arena_before, r.arena_after, r.pinned_bytes)
     }
 
+    /// Whether NumPy allocates from this workspace here already (a capturing scope of it is the
+    /// innermost, open on this thread and task).
+    fn _captures_here(&self, py: Python<'_>) -> PyResult<bool> {
+        scope::captures_here(py, &self.shared)
+    }
+
     /// Raises `WorkspaceClosedError` once the workspace is destroyed.
     fn _check_alive(&self, py: Python<'_>) -> PyResult<()> {
         self.shared.check_alive().map_err(|e| to_py(py, e))
@@ -388,6 +427,55 @@ impl WorkspaceCore {
         order: &str,
     ) -> PyResult<Bound<'py, PyAny>> {
         Self::allocate_array(slf, shape, dtype, order, true)
+    }
+
+    /// As `np.asarray`, with the result in this workspace. A list or tuple, where the workspace
+    /// captures here, is made by NumPy directly (it is new memory, served by the capture);
+    /// anything else goes through `_asarray`.
+    #[pyo3(signature = (a, dtype=None, order=None))]
+    fn asarray<'py>(
+        slf: &Bound<'py, Self>,
+        a: &Bound<'py, PyAny>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        order: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let me = slf.get();
+        let sequence =
+            a.is_exact_instance_of::<pyo3::types::PyList>() || a.is_exact_instance_of::<pyo3::types::PyTuple>();
+        let plain = sequence && dtype.is_none() && order.is_none() && !me.shared.is_destroyed();
+        if plain && scope::captures_here(py, &me.shared)? {
+            return arrays::sequence_array(py, a);
+        }
+        slf.call_method1("_asarray", (a, dtype, order))
+    }
+
+    /// As `np.empty_like`, over workspace memory: the shape, dtype and layout of a contiguous
+    /// ndarray prototype are read and the array built here directly; anything else (subclasses,
+    /// a dtype, order or shape given, other prototypes) goes through `_like`.
+    #[pyo3(signature = (a, dtype=None, order=None, subok=None, shape=None))]
+    fn empty_like<'py>(
+        slf: &Bound<'py, Self>,
+        a: &Bound<'py, PyAny>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        order: Option<&Bound<'py, PyAny>>,
+        subok: Option<&Bound<'py, PyAny>>,
+        shape: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        Self::like(slf, a, dtype, order, subok, shape, false)
+    }
+
+    /// As `np.zeros_like`, over workspace memory (see `empty_like`).
+    #[pyo3(signature = (a, dtype=None, order=None, subok=None, shape=None))]
+    fn zeros_like<'py>(
+        slf: &Bound<'py, Self>,
+        a: &Bound<'py, PyAny>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        order: Option<&Bound<'py, PyAny>>,
+        subok: Option<&Bound<'py, PyAny>>,
+        shape: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        Self::like(slf, a, dtype, order, subok, shape, true)
     }
 
     /// A new ndarray over workspace memory (refused for device memory), whatever the workspace.
