@@ -83,13 +83,19 @@ struct BlockCache {
     nonempty: ClassSet,
     /// The generation each class was last used in.
     used: [u64; CLASSES],
+    /// Classes whose cached blocks served a request lately (since the last cycle end, or since
+    /// new blocks of a quarter of the recent peak were made): they recur.
+    recurring: ClassSet,
+    /// Bytes of new blocks made since `recurring` was last forgotten.
+    made: usize,
     /// Slot bytes of the cached blocks.
     bytes: usize,
 }
 
-/// Bytes the external cache keeps inside a cycle when a new block is made (and at least between
-/// cycles): enough for a cycle's recurring small and medium blocks; cached blocks of classes a
-/// cycle of changing sizes no longer asks for go back rather than add to what it holds.
+/// Bytes of blocks of classes that did not recur the external cache keeps inside a cycle when a
+/// new block is made (and what it may always keep between cycles): cached blocks of classes a
+/// cycle of changing sizes no longer asks for go back rather than add to what it holds, while
+/// those it asks for again stay within the recent peak.
 pub(crate) const SLACK: usize = 4 << 20;
 
 /// What recent cycles had live outside the arena. Between cycles the external cache holds at most
@@ -125,10 +131,15 @@ impl ExternalPeaks {
         self.made = 0;
     }
 
+    /// The largest external footprint of the recent cycles and the open one.
+    pub fn peak(&self) -> usize {
+        self.window.iter().copied().max().unwrap_or(0).max(self.open)
+    }
+
     /// What the cache may hold between cycles with `live` slot bytes live outside the arena:
     /// live and cached together within the recent cycles' peak, or [`SLACK`].
     pub fn cache_budget(&self, live: usize) -> usize {
-        let peak = self.window.iter().copied().max().unwrap_or(0).max(self.open).max(live);
+        let peak = self.peak().max(live);
         (peak - live).max(SLACK)
     }
 }
@@ -156,6 +167,8 @@ impl OwnBlocks {
             heads: [std::ptr::null_mut(); CLASSES],
             nonempty: ClassSet::default(),
             used: [0; CLASSES],
+            recurring: ClassSet::default(),
+            made: 0,
             bytes: 0,
         })
         .ok_or(BackendError::os("make a workspace", std::mem::size_of::<BlockCache>(), libc::ENOMEM))?;
@@ -283,6 +296,7 @@ impl OwnBlocks {
             return None;
         }
         self.cache.used[class] = generation;
+        self.cache.recurring.insert(class);
         let (p, slot) = self.pop(class);
         if self.inline {
             unpoison(p.as_ptr(), slot - HEADER);
@@ -339,6 +353,32 @@ impl OwnBlocks {
         while self.cache.bytes > bytes {
             let Some(class) = self.cache.nonempty.iter_desc().next() else { break };
             self.release_one(class);
+        }
+    }
+
+    /// Gives cached blocks back until at most `cold` bytes are cached, those of classes that did
+    /// not recur since the last cycle end first (largest first), then any, down to `most`.
+    pub fn shrink_cold(&mut self, cold: usize, most: usize) {
+        while self.cache.bytes > cold {
+            let recurring = &self.cache.recurring;
+            let Some(class) = self.cache.nonempty.iter_desc().find(|&c| !recurring.contains(c)) else { break };
+            self.release_one(class);
+        }
+        self.shrink_to(most.max(cold));
+    }
+
+    /// A cycle ended: which classes recur is learned anew.
+    pub fn forget_recurring(&mut self) {
+        self.cache.recurring = ClassSet::default();
+        self.cache.made = 0;
+    }
+
+    /// A new block of `len` bytes was made; once new blocks of more than a quarter of `peak` were
+    /// made (a cycle of changing sizes), which classes recur is learned anew.
+    pub fn note_made(&mut self, len: usize, peak: usize) {
+        self.cache.made = self.cache.made.saturating_add(len);
+        if self.cache.made > peak / 4 {
+            self.forget_recurring();
         }
     }
 
@@ -417,6 +457,40 @@ mod tests {
         assert_eq!(b.cached_bytes(), small);
         b.shrink_to(0);
         assert_eq!(b.cached_bytes(), 0);
+    }
+
+    #[test]
+    fn classes_that_recur_stay_cached_and_the_others_go_back_first() {
+        let mut b = blocks();
+        let cache = |b: &mut OwnBlocks, size: usize| {
+            let class = class_of(size).unwrap();
+            let slot = class_size(class) + HEADER;
+            let p = b.new_block(BlockKind::External, size, slot, false, 0).unwrap();
+            // SAFETY: live, given up once.
+            unsafe { b.put_cached(p, slot, 0) };
+            (class, slot)
+        };
+        let (hot, hot_slot) = cache(&mut b, 300_000);
+        let (_, cold_slot) = cache(&mut b, 100_000);
+        // The hot class is asked for again: it recurs.
+        let (p, slot) = b.take_cached(hot, 0).unwrap();
+        // SAFETY: taken off the cache: ours to put back.
+        unsafe { b.put_cached(p, slot, 0) };
+        assert_eq!(b.cached_bytes(), hot_slot + cold_slot);
+        b.shrink_cold(0, hot_slot);
+        assert_eq!(b.cached_bytes(), hot_slot, "the cold class went, the recurring one stayed");
+        b.shrink_cold(0, 0);
+        assert_eq!(b.cached_bytes(), 0, "within `most` only");
+        // It recurs again; then making more bytes than the peak forgets what recurred.
+        cache(&mut b, 300_000);
+        let (p, slot) = b.take_cached(hot, 1).unwrap();
+        // SAFETY: taken off the cache: ours to put back.
+        unsafe { b.put_cached(p, slot, 1) };
+        b.shrink_cold(0, usize::MAX);
+        assert_eq!(b.cached_bytes(), hot_slot, "recurring: kept");
+        b.note_made(10, 5);
+        b.shrink_cold(0, usize::MAX);
+        assert_eq!(b.cached_bytes(), 0, "nothing recurs any more");
     }
 
     #[test]

@@ -638,6 +638,7 @@ impl Workspace {
     /// external footprint of the recent cycles.
     fn settle_external_cache(&mut self) {
         self.own.peaks.close_cycle(self.cycles.completed);
+        self.own.forget_recurring();
         if self.own.cached_bytes() == 0 {
             return;
         }
@@ -777,14 +778,18 @@ impl Workspace {
             let g = self.config.temp_block_size as usize;
             len = len.div_ceil(g).saturating_mul(g);
         }
-        // Inside a cycle, cached blocks of other classes go back before a new block is made,
-        // but for a small slack: memory outside the arena stays within what lives there.
-        self.own.shrink_to(SLACK);
+        // Inside a cycle, before a new block is made, cached blocks of classes that did not recur
+        // go back but for a small slack, and those that recur stay within the recent peak:
+        // memory outside the arena stays within what lives there and what the cycle reuses.
+        let live = self.accounts.external_slot.saturating_add(len);
+        self.own.shrink_cold(SLACK, self.own.peaks.cache_budget(live));
         let epoch = self.cycles.epoch;
         let p =
             self.within_limit(req.size, |ws| ws.own.new_block(BlockKind::External, req.size, len, req.zeroed, epoch))?;
         self.accounts.count_external(req.size, len);
         self.own.peaks.made = self.own.peaks.made.saturating_add(len);
+        let peak = self.own.peaks.peak();
+        self.own.note_made(len, peak);
         Ok(p)
     }
 
@@ -1235,24 +1240,26 @@ mod tests {
         assert_eq!(w.bad_frees(), 0, "the block was found and freed");
     }
 
-    /// A long first cycle of changing sizes holds what lives and a small slack, never the blocks
-    /// of every class it once used.
+    /// A long first cycle of changing sizes holds what lives and a small slack (or the blocks of
+    /// classes it reuses, within the peak it had live), never the blocks of every class it once
+    /// used.
     #[test]
-    fn a_first_cycle_of_changing_sizes_keeps_only_a_slack_beside_what_lives() {
+    fn a_first_cycle_of_changing_sizes_holds_what_lives_and_a_slack_or_its_peak() {
         let mut w = heap(WorkspaceConfiguration::default());
         w.enter().unwrap();
         let mut live: Vec<(NonNull<u8>, usize)> = Vec::new();
         let mut size = 3000usize;
-        let mut worst = 0usize;
+        let (mut worst, mut peak) = (0usize, 0usize);
         for i in 0..300 {
             size = (size * 7 + i * 977) % (3 << 20) + 1000;
             let before = w.footprint();
             live.push((w.alloc(size).unwrap(), size));
             // Memory is taken only as a block is made (a cached one was resident already): then
             // the workspace holds what lives (with class rounding, at most a quarter more) and
-            // the slack.
+            // the slack, or blocks of recurring classes within the peak it had live.
             let held: usize = live.iter().map(|&(_, n)| n + HEADER).sum();
-            let bound = held + held / 4 + SLACK;
+            peak = peak.max(held + held / 4);
+            let bound = (held + held / 4 + SLACK).max(peak);
             if w.footprint() > before {
                 worst = worst.max(w.footprint() * 100 / bound);
                 assert!(w.footprint() <= bound, "step {i}: holds {} for {held} live", w.footprint());
@@ -1263,7 +1270,7 @@ mod tests {
                 unsafe { w.free(p) };
             }
         }
-        assert!(w.external_cached_bytes() <= SLACK + (3 << 20));
+        assert!(w.external_cached_bytes() <= SLACK.max(peak));
         for (p, _) in live {
             // SAFETY: live, freed once.
             unsafe { w.free(p) };
