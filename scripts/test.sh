@@ -20,7 +20,7 @@ step "optional extras the tests cover (dask: rustws.dask on a LocalCluster)"
 $VPY -m pip install -q --disable-pip-version-check "dask>=2023.1" "distributed>=2023.1"
 step "optional: Ray (@rustws.cycle on Ray tasks and actors; its tests skip, saying why, without it)"
 $VPY -m pip install -q --disable-pip-version-check "ray>=2.9" ||
-    echo "skipped: Ray did not install here; tests/tools/test_ray.py will skip"
+    echo "skipped: Ray did not install here; tests/capture/test_ray.py will skip"
 
 step "build the extension (release)"
 .venv/bin/maturin develop --release --quiet

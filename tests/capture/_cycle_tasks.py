@@ -1,5 +1,5 @@
 """Functions decorated with ``@rustws.cycle`` at module level, so that process pools can pickle them by
-name (tests/capture/test_cycle.py, tests/tools/test_ray.py)."""
+name (test_cycle.py, test_ray.py beside it)."""
 
 from __future__ import annotations
 
