@@ -656,10 +656,12 @@ class _CycleObserver:
 
     def __exit__(self, *exc: Any) -> Any:
         ws: Any = self
+        closed_before = ws.generation
         try:
             return super().__exit__(*exc)  # type: ignore[misc]
         finally:
-            if not ws.is_open and not ws.is_destroyed:
+            # Only an exit that closed a cycle reports one (not a refused exit, nor a nested one).
+            if ws.generation != closed_before and not ws.is_open and not ws.is_destroyed:
                 _after_observed_cycle(ws)
 
 

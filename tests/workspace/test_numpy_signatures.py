@@ -241,3 +241,20 @@ def test_the_direct_paths_of_like_and_asarray_keep_numpys_results_and_the_worksp
     # Outside any cycle (no capture here) a list still lands in the workspace.
     out = ws.asarray([1.0] * 100)
     assert rustws.owner(out) is ws
+
+
+def test_explicit_calls_never_land_in_the_workspace_below():
+    # A workspace with a `helper_min_size` (the adaptive profile: 1 KiB) inside one without: its
+    # small explicit arrays are none of the outer workspace's memory, whatever path made them.
+    outer = rustws.workspace("OUTER", rustws.WorkspaceConfiguration(initial_size="1MiB"))
+    inner = rustws.workspace("INNER")
+    assert inner.config.helper_min_size > 0
+    with outer, inner:
+        made = [
+            inner.asarray([1.0] * 50),
+            inner.full((10,), 1.0),
+            inner.ones_like(np.ma.MaskedArray(np.zeros(10))),
+            inner.asarray(np.arange(10.0)),
+        ]
+        for a in made:
+            assert rustws.owner(a) is not outer

@@ -83,8 +83,9 @@ struct BlockCache {
     nonempty: ClassSet,
     /// The generation each class was last used in.
     used: [u64; CLASSES],
-    /// Classes whose cached blocks served a request lately (since the last cycle end, or since
-    /// new blocks of a quarter of the recent peak were made): they recur.
+    /// Classes whose cached blocks served a request lately (since new blocks of a quarter of the
+    /// recent peak were made; cycle ends keep them, so that the next cycle finds its blocks before
+    /// it reuses them): they recur.
     recurring: ClassSet,
     /// Bytes of new blocks made since `recurring` was last forgotten.
     made: usize,
@@ -367,8 +368,8 @@ impl OwnBlocks {
         self.shrink_to(most.max(cold));
     }
 
-    /// A cycle ended: which classes recur is learned anew.
-    pub fn forget_recurring(&mut self) {
+    /// Which classes recur is learned anew.
+    fn forget_recurring(&mut self) {
         self.cache.recurring = ClassSet::default();
         self.cache.made = 0;
     }

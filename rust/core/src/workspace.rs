@@ -638,7 +638,6 @@ impl Workspace {
     /// external footprint of the recent cycles.
     fn settle_external_cache(&mut self) {
         self.own.peaks.close_cycle(self.cycles.completed);
-        self.own.forget_recurring();
         if self.own.cached_bytes() == 0 {
             return;
         }

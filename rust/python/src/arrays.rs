@@ -116,15 +116,21 @@ pub(crate) fn refuse_objects(descr: &Bound<'_, PyArrayDescr>) -> PyResult<()> {
 }
 
 /// `np.asarray(items)` for a list or tuple, made by NumPy with the handler current here (the
-/// caller checked it is a capture of the workspace): the result is new memory of the workspace;
+/// caller checked it is a capture of the workspace `ws`): the result is new memory of `ws`;
 /// one holding Python objects is refused, and a refusal of the workspace raises its own error.
-pub(crate) fn sequence_array<'py>(py: Python<'py>, items: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn sequence_array<'py>(
+    py: Python<'py>,
+    ws: &Shared,
+    items: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
     static ASARRAY: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
     let asarray = ASARRAY.get_or_try_init(py, || py.import("numpy")?.getattr("asarray").map(Bound::unbind))?;
     shared::take_last_refusal();
     let made = match asarray.bind(py).call1((items,)) {
         Ok(made) => made,
         Err(e) if e.is_instance_of::<PyMemoryError>(py) => {
+            // Raised here, it is reported here: not again at the cycle's end.
+            drop(ws.drain_failures());
             return Err(shared::take_last_refusal().map_or(e, |refusal| to_py(py, refusal)));
         }
         Err(e) => return Err(e),

@@ -497,13 +497,14 @@ pub(crate) fn settle_closed(py: Python<'_>, node: *const c_void) {
 }
 
 /// Whether NumPy's current handler in this context is a capture of the workspace `shared` that
-/// serves this thread now (its scope open here, capture on): NumPy then allocates from it without
-/// a handler being installed for the call.
+/// serves this thread now (its scope open here, capture on) and takes requests of every size (no
+/// `helper_min_size`: smaller ones would go to the handler below it, which may be another
+/// workspace's): NumPy then allocates from this workspace without a handler being installed.
 pub fn captures_here(py: Python<'_>, shared: &Arc<Shared>) -> PyResult<bool> {
     let top = current_handler(py)?;
     let Some(node) = as_node(&top) else { return Ok(false) };
     let mine = node.data.capture.as_ref().is_some_and(|c| Arc::ptr_eq(&c.capture.shared, shared));
-    Ok(mine && node.is_here() && shared.installs_handler())
+    Ok(mine && shared.small == 0 && node.is_here() && shared.installs_handler())
 }
 
 /// Whether this stack holds an open scope of `key` opened on this thread, in this asyncio task

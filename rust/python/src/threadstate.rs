@@ -60,21 +60,13 @@ pub(crate) fn current_context() -> usize {
     if off == 0 {
         return 0;
     }
-    // The attached thread state (the one whose context NumPy's handler lookup reads), found in
-    // a few instructions; a thread without one asks for its own.
-    // SAFETY: the getter only reads this thread's current thread state.
-    let attached = unchecked_getter().map_or(std::ptr::null_mut(), |g| unsafe { g() });
-    let ts = if attached.is_null() {
-        // SAFETY: a plain query of this thread's own thread state.
-        unsafe { PyGILState_GetThisThreadState() }
-    } else {
-        attached
-    };
+    // SAFETY: a plain query of this thread's own thread state.
+    let ts = unsafe { PyGILState_GetThisThreadState() };
     if ts.is_null() {
         return 0;
     }
-    // SAFETY: `off` was checked to be the context field of a thread state of this interpreter,
-    // and `ts` is one of this thread's own; only this thread writes its context.
+    // SAFETY: `off` was checked to be the context field of a thread state of this interpreter;
+    // only this thread writes its own thread state's context.
     unsafe { ts.cast::<u8>().add(off).cast::<usize>().read_volatile() }
 }
 

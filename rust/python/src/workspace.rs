@@ -445,7 +445,7 @@ impl WorkspaceCore {
             a.is_exact_instance_of::<pyo3::types::PyList>() || a.is_exact_instance_of::<pyo3::types::PyTuple>();
         let plain = sequence && dtype.is_none() && order.is_none() && !me.shared.is_destroyed();
         if plain && scope::captures_here(py, &me.shared)? {
-            return arrays::sequence_array(py, a);
+            return arrays::sequence_array(py, &me.shared, a);
         }
         slf.call_method1("_asarray", (a, dtype, order))
     }
