@@ -516,7 +516,8 @@ impl Workspace {
         Ok(())
     }
 
-    /// Counts the next cycle report from here.
+    /// Counts the next cycle report from here: when a cycle opens with none open, or when one
+    /// closes beside others still open.
     fn mark_cycle_start(&mut self) {
         let a = &self.accounts;
         self.cycles.opened = (a.allocations, a.spills, self.regions.capacity() as u64);
@@ -615,9 +616,10 @@ impl Workspace {
         };
         if self.cycles.active > 0 {
             // Other cycles are still open: nothing rewinds and nothing is pinned yet; the next
-            // close learns from what happens from here on.
+            // close learns (and reports) from what happens from here on.
             self.accounts.open_cycle();
             self.own.peaks.open_cycle(self.accounts.external_slot);
+            self.mark_cycle_start();
         } else {
             if self.route.lists {
                 if let Some(r) = self.regions.current_mut() {
@@ -628,7 +630,6 @@ impl Workspace {
             (report.escaped_blocks, report.escaped_bytes) = self.accounts.close_cycle(live_blocks);
         }
         report.pinned_bytes = self.accounts.pinned;
-        self.mark_cycle_start();
         self.cycles.last = report;
         Ok(report)
     }
