@@ -2,10 +2,10 @@
 # The core under the checkers, as CI runs it:
 #   - Miri (nightly; its component is installed when missing) over the core's unit tests, the
 #     allocator programs and failure injection (property tests, with RUSTWS_PROPTEST_CASES cases,
-#     3 by default: a case costs minutes under Miri), the limit and double-free tests, frees from
-#     other threads, and the conformance and adaptive tests, at the sizes `miri_or` gives them
-#     under Miri; all through the arena and workspace code, without the CUDA feature (Miri loads no
-#     driver);
+#     3 by default: a case costs minutes under Miri), the limit and double-free tests, the recorded
+#     history, frees from other threads, and the conformance and adaptive tests, at the sizes
+#     `miri_or` gives them under Miri; all through the arena and workspace code, without the CUDA
+#     feature (Miri loads no driver);
 #   - AddressSanitizer, with LeakSanitizer and its quarantine, over every test of the core (the
 #     CUDA backends over the driver stand-in included, property tests at their full case counts), on
 #     the stable toolchain, built with `--cfg rustws_asan`: free arena blocks, cached blocks and
@@ -43,7 +43,7 @@ if miri_available; then
     export RUSTWS_PROPTEST_CASES="${RUSTWS_MIRI_CASES:-3}"
     miri() { cargo +nightly miri test -p rustws-core --no-default-features --quiet "$@"; }
     miri --lib
-    miri --test programs --test faults --test limit --test threads
+    miri --test programs --test faults --test limit --test threads --test history
     miri --test conformance -- $(printf -- '--skip %s ' "${MIRI_CONFORMANCE_SKIP[@]}")
     miri --test adaptive
     # The sanitizers below run the property tests at their full case counts.

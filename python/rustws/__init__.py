@@ -8,7 +8,7 @@ references it.
 
 from __future__ import annotations
 
-from . import _rustws, cuda, cupy, torch
+from . import _rustws, cuda, cupy, memory, torch
 from ._config import (
     AllocationPolicy,
     ArrayType,
@@ -100,6 +100,7 @@ __all__ = [
     "get_and_activate_workspace",
     "get_workspace",
     "leverage_to",
+    "memory",
     "owner",
     "print_allocation_statistics",
     "scope_out_of_workspaces",

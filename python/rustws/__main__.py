@@ -79,6 +79,30 @@ def _library_versions() -> list[tuple[str, str]]:
     return out
 
 
+def _replay(path: str, workspace: str | None) -> int:
+    import pickle
+
+    from .memory import recommend
+
+    try:
+        with open(path, "rb") as f:
+            snap = pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError) as e:
+        print(f"cannot read {path}: {e}", file=sys.stderr)
+        return 2
+    names = sorted({e["workspace"] for t in snap.get("device_traces", []) for e in t if "workspace" in e})
+    if workspace is None and len(names) > 1:
+        for name in names:
+            print(recommend(snap, workspace=name).table(), end="\n\n")
+        return 0
+    try:
+        print(recommend(snap, workspace=workspace).table())
+    except ValueError as e:
+        print(f"{path}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from . import _bench
 
@@ -105,9 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         "info",
         help="version, build, NumPy's memory handler, library versions, RUSTWS_* variables",
     )
+    rep = sub.add_parser(
+        "replay",
+        help="replay a dumped memory snapshot's cycles and print the configuration recommended for them",
+    )
+    rep.add_argument("file", help="a pickle written by rustws.memory.dump_snapshot")
+    rep.add_argument("--workspace", default=None, help="the workspace to replay (if the file holds several)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
+    if args.command == "replay":
+        return _replay(args.file, args.workspace)
     if args.command == "demo":
         from ._demo import run_demo
 

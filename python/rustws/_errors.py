@@ -9,6 +9,7 @@ their cycle under ``RUSTWS_STRICT=1``), ``KeyError`` for lookups.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 __all__ = [
     "DeviceUnavailableError",
@@ -34,8 +35,11 @@ class WorkspaceOutOfMemory(WorkspaceError, MemoryError):
     also attributes: ``workspace``, ``requested`` (bytes), ``in_use`` (requested bytes of live
     blocks), ``limit`` (``max_size``, or the arena's capacity where there is none), ``footprint``
     (bytes the workspace held from the system), ``pinned`` (bytes of blocks that outlived their
-    cycle), ``cached`` (bytes kept for reuse) and ``reason``; for a refusal of the system,
-    ``system`` says what the system refused (``None`` for the workspace's own refusals).
+    cycle), ``cached`` (bytes kept for reuse), ``largest_free`` (the largest request the arena's
+    free memory could still serve), ``room`` (bytes the limit still grants) and ``reason``; for a
+    refusal of the system, ``system`` says what the system refused (``None`` for the workspace's
+    own refusals). ``verdict`` says what caused a refusal of the workspace (the limit, the
+    arena's fragmentation, the spill policy) and what to change; it is also the error's note.
     """
 
     workspace: str | None = None
@@ -45,8 +49,11 @@ class WorkspaceOutOfMemory(WorkspaceError, MemoryError):
     footprint: int | None = None
     pinned: int | None = None
     cached: int | None = None
+    largest_free: int | None = None
+    room: int | None = None
     reason: str | None = None
     system: str | None = None
+    verdict: str | None = None
 
 
 class WorkspaceClosedError(WorkspaceError, RuntimeError):
@@ -99,6 +106,8 @@ def _refused(
     footprint: int,
     pinned: int,
     cached: int,
+    largest_free: int,
+    room: int,
     reason: str,
 ) -> WorkspaceOutOfMemory:
     size = "more bytes than a size holds" if requested >= 2**64 - 1 else f"{requested} bytes"
@@ -108,7 +117,71 @@ def _refused(
     )
     e.workspace, e.requested, e.in_use, e.limit = workspace, requested, in_use, limit
     e.footprint, e.pinned, e.cached, e.reason = footprint, pinned, cached, reason
+    e.largest_free, e.room = largest_free, room
+    e.verdict = _verdict(e)
+    e.add_note(e.verdict)
+    if _refusal_hook is not None:
+        _refusal_hook(e)
     return e
+
+
+# Set by ``rustws.memory``: the snapshot and observers that run at each refusal.
+_refusal_hook: Any = None
+
+
+def _verdict(e: WorkspaceOutOfMemory) -> str:
+    """What caused a refusal of the workspace, and what to change."""
+    req, live, limit = e.requested or 0, e.in_use or 0, e.limit or 0
+    pinned, largest, room = e.pinned or 0, e.largest_free or 0, e.room or 0
+    facts = (
+        f"request {_fmt(req)}, limit {_fmt(limit)}, live {_fmt(live)} (pinned {_fmt(pinned)}), "
+        f"cached {_fmt(e.cached or 0)}, largest free block in the arena {_fmt(largest)}, "
+        f"room under the limit {_fmt(room)}"
+    )
+    if req >= 2**64 - 1 or e.reason == "request too large":
+        cause = "the request itself is too large for any workspace"
+        change = "check the array's shape and dtype"
+    elif e.reason and "not a live block" in e.reason:
+        cause = "the block to resize is no live block of this workspace"
+        change = "resize arrays through the workspace that made them"
+    elif e.reason and "FAIL" in e.reason:
+        cause = "the spill policy FAIL: the arena cannot hold the request and spills are refused"
+        change = (
+            f"size the arena for the cycle (initial_size of at least {_fmt(live + req)}; "
+            "rustws.memory.recommend() computes one from a recording) or allow spills "
+            "(policy_spill=EXTERNAL or REALLOCATE)"
+        )
+    elif live + req > limit:
+        cause = "the limit: the live blocks and the request together exceed max_size"
+        change = f"raise max_size to at least {_fmt(live + req)}"
+        if pinned:
+            change += (
+                f", or let go of the arrays kept from earlier cycles ({_fmt(pinned)} pinned "
+                "by arrays that outlived their cycle)"
+            )
+    else:
+        cause = (
+            f"fragmentation: {_fmt(limit - live)} under the limit is not live, but no free "
+            f"block holds the request (the arena's largest is {_fmt(largest)}, and the limit "
+            f"grants {_fmt(room)} more)"
+        )
+        change = (
+            f"raise max_size by {_fmt(req - min(req, room))}, size the arena up front so the "
+            "cycle's blocks fit in it (initial_size; rustws.memory.recommend() computes one), or "
+            "free the long-lived arrays that split the arena"
+        )
+    return f"rustws verdict: {cause}. {facts}. To change: {change}."
+
+
+def _fmt(n: int) -> str:
+    if abs(n) < 1024:
+        return f"{n} B"
+    x = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        x /= 1024
+        if abs(x) < 1024:
+            return f"{x:.1f} {unit}"
+    return f"{x / 1024:.1f} TiB"
 
 
 def _system_refused(workspace: str, requested: int, system: str) -> WorkspaceOutOfMemory:
@@ -117,6 +190,14 @@ def _system_refused(workspace: str, requested: int, system: str) -> WorkspaceOut
         f"the system refused memory ({system})"
     )
     e.workspace, e.requested, e.reason, e.system = workspace, requested, "the system refused memory", system
+    e.verdict = (
+        f"rustws verdict: the system: it refused {_fmt(requested)} ({system}) before the workspace's "
+        "own limit was reached. To change: set max_size below the memory this process may use, so that "
+        "the workspace refuses first and says what it holds, or free memory elsewhere."
+    )
+    e.add_note(e.verdict)
+    if _refusal_hook is not None:
+        _refusal_hook(e)
     return e
 
 

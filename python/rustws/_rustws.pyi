@@ -35,9 +35,15 @@ __all__ = [
     "env_debug_mode",
     "get_handler",
     "handler_name",
+    "memory_state",
     "parse_size",
+    "recommend",
+    "record_history",
+    "recording_stacks",
+    "replay",
     "set_handler",
     "settle_scopes",
+    "stack_frames",
     "torch_blocks",
     "torch_route",
     "torch_share",
@@ -52,6 +58,20 @@ STATS_FIELDS: tuple[str, ...]
 CONFIG_FIELDS: tuple[str, ...]
 
 def parse_size(text: str) -> int: ...
+
+_Block = tuple[int, int, int, bool]
+_Segment = tuple[str, int, int, list[_Block]]
+_Event = tuple[str, int, int, int, int, int, int, int]
+_Outcome = tuple[int, int, int, int, int, int]
+
+def record_history(max_entries: int | None, stacks: bool) -> None: ...
+def recording_stacks() -> bool: ...
+def memory_state() -> list[tuple[str, int, str, int, list[_Segment], list[_Event], int]]: ...
+def stack_frames(stack: int) -> list[tuple[Any, int]]: ...
+def replay(config: dict[str, Any], steps: list[tuple[int, int, int]]) -> _Outcome: ...
+def recommend(
+    config: dict[str, Any], steps: list[tuple[int, int, int]]
+) -> tuple[dict[str, Any], _Outcome, _Outcome, int]: ...
 def validate_config(config: dict[str, Any]) -> None: ...
 def env_debug_mode() -> str | None: ...
 def set_handler(handler: object | None) -> object: ...

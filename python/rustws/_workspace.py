@@ -499,9 +499,9 @@ def _report_refusals(refusals: list[BaseException]) -> None:
     if isinstance(exc, MemoryError) and not isinstance(exc, WorkspaceOutOfMemory):
         notes = getattr(exc, "__notes__", ())
         for refusal in refusals:
-            note = f"rustws: {refusal}"
-            if note not in notes:
-                exc.add_note(note)
+            for note in (f"rustws: {refusal}", getattr(refusal, "verdict", None)):
+                if note and note not in notes:
+                    exc.add_note(note)
     for refusal in refusals:
         logger.warning("%s", refusal)
 
@@ -703,12 +703,13 @@ def _after_observed_cycle(ws: Any) -> None:
             logger.debug("workspace %r: cycle %d %s", name, cycle, what)
         if spills:
             logger.debug(
-                "workspace %r: cycle %d spilled %d request(s) outside the arena (peak %s, arena %s)",
+                "workspace %r: cycle %d spilled %d request(s) outside the arena (peak %s, arena %s)%s",
                 name,
                 cycle,
                 spills,
                 _fmt_bytes(peak),
                 _fmt_bytes(before),
+                _spill_sites(ws.id, cycle),
             )
         elif peak > max(before, after) > 0:
             logger.debug(
@@ -737,6 +738,32 @@ def _after_observed_cycle(ws: Any) -> None:
             _fmt_bytes(peak),
             cycle,
         )
+
+
+def _spill_sites(wid: int, cycle: int) -> str:
+    """Where a recorded cycle's spills were allocated (while ``rustws.memory.record_history`` is
+    on): the three largest sites, each its innermost frame and bytes; empty otherwise."""
+    from . import memory
+
+    if not _rustws.recording_stacks():
+        return ""
+    for _, id_, _, _, _, events, _ in _rustws.memory_state():
+        if id_ != wid:
+            continue
+        frames = memory._Frames()
+        trace = [
+            {"action": a, "cycle": c, "size": n, "kind": memory._KINDS.get(k), "frames": frames(st)}
+            for a, _, n, c, _, st, k, _ in events
+            if a == "alloc" and c == cycle
+        ]
+        sites = memory.cycle_sites(trace, cycle, top=3)
+        parts = [
+            f"{f['filename']}:{f['line']} {f['name']} ({_fmt_bytes(s['bytes'])} in {s['count']})"
+            for s in sites
+            if (f := memory.user_frame(s["frames"]))
+        ]
+        return "; spilled at " + ", ".join(parts) if parts else ""
+    return ""
 
 
 def get_and_activate_workspace(

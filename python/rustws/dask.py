@@ -19,6 +19,8 @@ module imports ``distributed``.
 from __future__ import annotations
 
 import contextvars
+import os
+import pickle
 import resource
 import sys
 from collections.abc import Callable
@@ -39,7 +41,9 @@ from ._workspace import Workspace, _check_config, _check_name, _fmt_bytes
 __all__ = [
     "EXECUTOR",
     "WorkspacePlugin",
+    "format_memory_report",
     "format_workspace_stats",
+    "memory_report",
     "print_workspace_stats",
     "workspace_stats",
 ]
@@ -196,6 +200,87 @@ def format_workspace_stats(rows: list[dict[str, Any]]) -> str:
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in lines]
     if not lines:
         out.append("(no worker thread has a workspace yet)")
+    return "\n".join(out)
+
+
+def _worker_memory() -> dict[str, Any]:
+    from . import memory
+
+    return memory.snapshot()
+
+
+def memory_report(
+    client: distributed.Client, *, snapshots: str | os.PathLike[str] | None = None
+) -> list[dict[str, Any]]:
+    """Gathers every worker's memory snapshot (``rustws.memory.snapshot()``; start recording on
+    the workers first, for example with ``client.run(rustws.memory.record_history)``) and the
+    configuration recommended for each workspace that recorded cycles: one row per worker and
+    workspace (``worker``, ``workspace``, ``cycles``, ``need_bytes``, ``recorded`` and
+    ``recommended`` spills and footprints, ``configuration``). ``snapshots``: a folder where
+    each worker's snapshot is also written, as ``<worker>.pickle`` for the memory_viz page."""
+    from . import memory
+
+    per_worker = client.run(_worker_memory)
+    if snapshots is not None:
+        os.makedirs(snapshots, exist_ok=True)
+    rows = []
+    for address, snap in sorted(per_worker.items()):
+        worker = address.replace("/", "_").replace(":", "_")
+        if snapshots is not None:
+            with open(os.path.join(os.fspath(snapshots), f"{worker}.pickle"), "wb") as f:
+                pickle.dump(snap, f)
+        names = sorted({e["workspace"] for t in snap["device_traces"] for e in t if e["action"] == "alloc"})
+        for name in names:
+            r = memory.recommend(snap, workspace=name, config=None)
+            rows.append(
+                {
+                    "worker": address,
+                    "workspace": name,
+                    "cycles": r.recorded.cycles,
+                    "need_bytes": r.need_bytes,
+                    "recorded_spills": r.recorded.spills,
+                    "recorded_footprint_bytes": r.recorded.footprint_bytes,
+                    "recommended_spills": r.outcome.spills,
+                    "recommended_footprint_bytes": r.outcome.footprint_bytes,
+                    "configuration": r.configuration,
+                }
+            )
+    return rows
+
+
+def format_memory_report(rows: list[dict[str, Any]]) -> str:
+    """The rows of ``memory_report`` as a text table."""
+    cols = (
+        "worker",
+        "workspace",
+        "cycles",
+        "need",
+        "spills",
+        "footprint",
+        "-> spills",
+        "-> footprint",
+        "initial_size",
+    )
+    lines = [
+        (
+            r["worker"],
+            r["workspace"],
+            str(r["cycles"]),
+            _fmt_bytes(r["need_bytes"]),
+            str(r["recorded_spills"]),
+            _fmt_bytes(r["recorded_footprint_bytes"]),
+            str(r["recommended_spills"]),
+            _fmt_bytes(r["recommended_footprint_bytes"]),
+            _fmt_bytes(r["configuration"].initial_size),
+        )
+        for r in rows
+    ]
+    widths = [max([len(c)] + [len(v[i]) for v in lines]) for i, c in enumerate(cols)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in lines]
+    if not lines:
+        out.append("(no worker recorded a cycle: start rustws.memory.record_history on the workers)")
     return "\n".join(out)
 
 

@@ -96,9 +96,36 @@ def test_the_decorator_under_dask(client):
     assert sum(r["cycles"] for r in rustws.dask.workspace_stats(client, "DECORATED")) == 16
 
 
+def test_memory_report_gathers_every_workers_snapshot_and_recommendation(client, tmp_path):
+    from rustws import memory
+
+    client.run(memory.record_history, True)
+    try:
+        client.register_plugin(
+            rustws.dask.WorkspacePlugin("RECORDED", rustws.WorkspaceConfiguration.adaptive())
+        )
+        try:
+            client.gather(client.map(task, range(40), pure=False))
+            rows = rustws.dask.memory_report(client, snapshots=tmp_path)
+        finally:
+            client.unregister_worker_plugin("rustws-RECORDED")
+    finally:
+        client.run(memory.record_history, False)
+    mine = [r for r in rows if r["workspace"] == "RECORDED"]
+    assert mine and {r["worker"] for r in mine} <= set(client.scheduler_info()["workers"])
+    assert sum(r["cycles"] for r in mine) == 40  # one cycle per task, every one recorded
+    for r in mine:
+        assert r["recommended_spills"] == 0 and r["need_bytes"] >= 3 << 20
+        assert r["configuration"].initial_size == r["need_bytes"]
+    assert len(list(tmp_path.glob("*.pickle"))) == 2, "one snapshot per worker"
+    table = rustws.dask.format_memory_report(rows)
+    assert "RECORDED" in table and "-> footprint" in table
+
+
 def test_plugin_arguments_are_checked():
     with pytest.raises(TypeError):
         rustws.dask.WorkspacePlugin(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="every_task"):
         rustws.dask.WorkspacePlugin("X", every_task="yes")  # type: ignore[arg-type]
     assert rustws.dask.format_workspace_stats([]).endswith("(no worker thread has a workspace yet)")
+    assert rustws.dask.format_memory_report([]).endswith("on the workers)")

@@ -77,9 +77,10 @@ def test_a_refused_captured_allocation_carries_the_workspace_reason():
     with pytest.raises(MemoryError) as info, ws:
         np.ones(1 << 20)  # 8 MiB, in a 1 MiB arena that may not spill
     assert not isinstance(info.value, WorkspaceOutOfMemory)  # NumPy's own error ...
-    notes = info.value.__notes__  # ... with the reason attached
-    assert len(notes) == 1 and "'F'" not in notes[0] and '"F"' in notes[0]
+    notes = info.value.__notes__  # ... with the reason and the verdict attached
+    assert len(notes) == 2 and "'F'" not in notes[0] and '"F"' in notes[0]
     assert "8388608 bytes" in notes[0] and "FAIL" in notes[0]
+    assert notes[1].startswith("rustws verdict: the spill policy FAIL") and "8.0 MiB" in notes[1]
 
 
 def test_a_refusal_caught_inside_the_cycle_is_logged(caplog):

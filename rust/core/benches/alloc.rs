@@ -103,19 +103,25 @@ fn reuse_hit(c: &mut Criterion) {
     let mut g = c.benchmark_group("reuse_hit");
     g.throughput(Throughput::Elements(PER_CYCLE as u64));
     g.measurement_time(Duration::from_secs(3));
-    for size in [256usize, 4096, 1 << 20] {
+    // The last: the same with the history recorded (two events per pair; no stacks, which the
+    // binding adds).
+    for (size, recorded) in [(256usize, false), (4096, false), (1 << 20, false), (4096, true)] {
         let config = WorkspaceConfiguration {
             initial_size: 64 << 20,
             policy_learning: LearningPolicy::None,
             ..Default::default()
         };
         let mut ws = Workspace::new("reuse", config).unwrap();
+        if recorded {
+            ws.record_history(Some(1 << 16)).unwrap();
+        }
         ws.enter().unwrap();
         let first = ws.alloc(size).unwrap();
         let beside = ws.alloc(size).unwrap();
         // SAFETY: live, freed once: from here on `first`'s block is on its class's list.
         unsafe { ws.free(first) };
-        g.bench_with_input(BenchmarkId::from_parameter(size), &size, |b, &size| {
+        let id = if recorded { format!("{size}-recorded") } else { size.to_string() };
+        g.bench_with_input(BenchmarkId::from_parameter(id), &size, |b, &size| {
             b.iter(|| {
                 for _ in 0..PER_CYCLE {
                     let p = ws.alloc(black_box(size)).unwrap();

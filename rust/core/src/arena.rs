@@ -877,6 +877,40 @@ impl ArenaRegion {
         // lists and goes on from the hole: nothing to do.
     }
 
+    /// Calls `f(offset, slot, requested, generation)` for each live block, in address order
+    /// (`offset` of its header). O(blocks): for snapshots and refusals, never on the hot path.
+    pub fn each_live(&self, mut f: impl FnMut(usize, usize, usize, u64)) {
+        let chain_end = if self.tail { self.cursor } else { self.top };
+        let (hole_lo, hole_hi) = if self.tail { (self.cursor, self.cursor) } else { (self.cursor, self.limit) };
+        let mut pos = 0;
+        while pos < chain_end {
+            if pos == hole_lo && hole_lo < hole_hi {
+                pos = hole_hi;
+                continue;
+            }
+            let h = self.header_at(pos);
+            if !self.plausible(pos, h) {
+                return;
+            }
+            if h.is_live() {
+                f(pos, h.slot, h.requested, h.generation);
+            }
+            pos += h.slot;
+        }
+    }
+
+    /// The largest run of memory between live blocks (headers included), the hole and the
+    /// never-carved tail among them: the largest request the region could still serve is a
+    /// header smaller. O(blocks).
+    pub fn largest_free(&self) -> usize {
+        let (mut end, mut largest) = (0, 0);
+        self.each_live(|pos, slot, _, _| {
+            largest = largest.max(pos - end);
+            end = pos + slot;
+        });
+        largest.max(self.capacity - end)
+    }
+
     /// Walks the whole chain and checks the region's invariants; panics on a violation. Returns
     /// the slot bytes of the live blocks. For tests: O(blocks).
     #[doc(hidden)]

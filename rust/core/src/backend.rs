@@ -66,6 +66,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use crate::history::{Action, Recorder};
+
 pub use crate::error::{BackendError, Cause};
 
 /// Alignment of every region and block any backend hands out.
@@ -946,11 +948,24 @@ pub struct LimitAdaptor {
     upstream: Arc<dyn Backend>,
     limit: usize,
     held: AtomicUsize,
+    /// Every mapping and block passes here: while recording, each is a segment event.
+    recorder: Recorder,
 }
 
 impl LimitAdaptor {
     pub fn new(upstream: Arc<dyn Backend>, limit: usize) -> Self {
-        LimitAdaptor { upstream, limit, held: AtomicUsize::new(0) }
+        LimitAdaptor { upstream, limit, held: AtomicUsize::new(0), recorder: Recorder::default() }
+    }
+
+    /// The history of what passes (and of the workspace above, which records there too).
+    pub fn recorder(&self) -> &Recorder {
+        &self.recorder
+    }
+
+    fn segment(&self, action: Action, at: NonNull<u8>, len: usize) {
+        if self.recorder.is_on() {
+            self.recorder.record(action, at.as_ptr() as usize, len, 0, 0);
+        }
     }
 
     /// The backend under the limit.
@@ -996,14 +1011,17 @@ impl Backend for LimitAdaptor {
 
     fn map(&self, len: usize, prefault_now: bool) -> Result<NonNull<u8>, BackendError> {
         self.reserve("map", len)?;
-        self.upstream.map(len, prefault_now).inspect_err(|_| {
+        let at = self.upstream.map(len, prefault_now).inspect_err(|_| {
             self.held.fetch_sub(len, Ordering::Relaxed);
-        })
+        })?;
+        self.segment(Action::SegmentAlloc, at, len);
+        Ok(at)
     }
 
     /// # Safety
     /// As for [`Backend::unmap`].
     unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+        self.segment(Action::SegmentFree, ptr, len);
         // SAFETY: forwarded with the caller's guarantee.
         unsafe { self.upstream.unmap(ptr, len) };
         self.held.fetch_sub(len, Ordering::Relaxed);
@@ -1011,14 +1029,17 @@ impl Backend for LimitAdaptor {
 
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         self.reserve("alloc_block", len)?;
-        self.upstream.alloc_block(len).inspect_err(|_| {
+        let at = self.upstream.alloc_block(len).inspect_err(|_| {
             self.held.fetch_sub(len, Ordering::Relaxed);
-        })
+        })?;
+        self.segment(Action::SegmentAlloc, at, len);
+        Ok(at)
     }
 
     /// # Safety
     /// As for [`Backend::free_block`].
     unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
+        self.segment(Action::SegmentFree, ptr, len);
         // SAFETY: forwarded with the caller's guarantee.
         unsafe { self.upstream.free_block(ptr, len) };
         self.held.fetch_sub(len, Ordering::Relaxed);
@@ -1046,9 +1067,11 @@ impl Backend for LimitAdaptor {
 
     fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         self.reserve("alloc_block", len)?;
-        self.upstream.alloc_block_zeroed(len).inspect_err(|_| {
+        let at = self.upstream.alloc_block_zeroed(len).inspect_err(|_| {
             self.held.fetch_sub(len, Ordering::Relaxed);
-        })
+        })?;
+        self.segment(Action::SegmentAlloc, at, len);
+        Ok(at)
     }
 
     forward_data_access!();

@@ -95,6 +95,11 @@ pub struct Refusal {
     /// Bytes the workspace kept for reuse (cached blocks and mappings) when it refused, after
     /// giving back what it could.
     pub cached: u64,
+    /// The largest request the arena's free memory could still have served (its largest run
+    /// between live blocks, a header less; 0 without an arena).
+    pub largest_free: u64,
+    /// Bytes the limit still granted for new mappings and blocks.
+    pub room: u64,
     pub reason: &'static str,
 }
 
@@ -192,6 +197,8 @@ mod tests {
             footprint: 64,
             pinned: 0,
             cached: 0,
+            largest_free: 0,
+            room: 0,
             reason: "max_size reached",
         });
         assert!(r.is_out_of_memory());

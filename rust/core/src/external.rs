@@ -266,6 +266,17 @@ impl OwnBlocks {
         })
     }
 
+    /// Each block of the table (live or cached; bypass blocks too): its data and header.
+    pub fn each(&self) -> impl Iterator<Item = (usize, &BlockHeader)> + '_ {
+        // SAFETY: the table's headers are readable while listed.
+        self.table.iter().map(|(&at, h)| (at, unsafe { h.as_ref() }))
+    }
+
+    /// Whether headers sit in front of their blocks (else the table owns them).
+    pub fn inline(&self) -> bool {
+        self.inline
+    }
+
     /// Gives a block back to its source.
     ///
     /// # Safety

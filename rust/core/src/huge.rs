@@ -93,6 +93,11 @@ impl HugeCache {
         }
     }
 
+    /// The cached mappings: start and length.
+    pub fn each_cached(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.cached.iter().map(|m| (m.at.as_ptr() as usize, m.len))
+    }
+
     /// The number and total length of the cached mappings.
     pub fn cached(&self) -> (usize, usize) {
         (self.cached.len(), self.cached.iter().map(|m| m.len).sum())

@@ -8,13 +8,14 @@
 //! Python; the bindings live in a separate crate.
 //!
 //! Where each concern lives: `workspace` (cycles, the allocation ladder and the limit), `regions`
-//! (the current region and retired ones), `arena` (a region, its free lists by class and its
-//! walk), `classes` (size classes), `learner` (how large the arena is, under the learning and
-//! spill policies), `external` (blocks outside the arena, their table and cache), `huge` (huge
-//! requests' own mappings), `accounts` (counters and statistics), `config` (the policies),
-//! `backend` and `cuda` (memory sources and adaptors), `error`, `fallible` (allocation that
-//! refuses instead of aborting), `reserve` (a global allocator with an emergency reserve),
-//! `sanitizer` (AddressSanitizer's poisoning).
+//! (the current region and retired ones), `arena` (a region, its free lists by class and its walk),
+//! `classes` (size classes), `learner` (how large the arena is, under the learning and spill
+//! policies), `external` (blocks outside the arena, their table and cache), `huge` (huge requests'
+//! own mappings), `accounts` (counters and statistics), `history` (the timeline a workspace records
+//! on request), `replay` (a recorded loop under another configuration), `config` (the policies),
+//! `backend` and `cuda` (memory sources and adaptors), `error`, `fallible` (allocation that refuses
+//! instead of aborting), `reserve` (a global allocator with an emergency reserve), `sanitizer`
+//! (AddressSanitizer's poisoning).
 
 mod accounts;
 mod arena;
@@ -26,10 +27,12 @@ pub mod cuda;
 pub mod error;
 mod external;
 mod fallible;
+pub mod history;
 mod huge;
 mod learner;
 mod regions;
 pub mod release;
+pub mod replay;
 pub mod reserve;
 mod sanitizer;
 pub mod workspace;

@@ -34,6 +34,7 @@ use crate::classes::{class_of, class_size};
 use crate::config::{AllocationPolicy, DebugMode, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration};
 use crate::error::{BackendError, Error, Name, Refusal};
 use crate::external::{OwnBlocks, SLACK};
+use crate::history::{Action, LiveBlock, Recorder, Segment, SegmentKind};
 use crate::huge::{HugeCache, HUGE_BLOCK_MIN};
 use crate::learner::{CycleFacts, CycleLearner, Sizing};
 use crate::regions::{InRegion, Regions};
@@ -192,6 +193,9 @@ pub struct Workspace {
     cycles: Cycles,
     learner: CycleLearner,
     accounts: Accounts,
+    /// Whether its history is recorded (in the limit's [`Recorder`]): the one flag the ladder
+    /// and frees test, so that recording costs nothing while off.
+    recording: bool,
 }
 
 // SAFETY: a workspace exclusively owns its regions, its blocks' headers and its caches; every
@@ -239,7 +243,11 @@ impl Workspace {
             huge: HugeCache::default(),
             cycles: Cycles::default(),
             accounts: Accounts::default(),
+            recording: false,
         };
+        if let Some(max) = crate::history::new_workspace_ring() {
+            ws.record_history(Some(max))?;
+        }
         if ws.config.initial_size > 0 && ws.route.arena {
             // Nothing was learned yet: the pages fault in as cycles first touch them.
             let cap = crate::learner::capacity_for(&ws.config, 0);
@@ -381,6 +389,8 @@ impl Workspace {
     }
 
     fn out_of_memory(&self, requested: u64, reason: &'static str) -> Error {
+        let room = self.limit.room();
+        self.limit.recorder().record(Action::Oom, 0, requested as usize, 0, room as u64);
         Error::OutOfMemory(Refusal {
             workspace: self.name.clone(),
             requested,
@@ -389,6 +399,8 @@ impl Workspace {
             footprint: self.footprint() as u64,
             pinned: self.accounts.pinned,
             cached: (self.own.cached_bytes() + self.huge.cached().1) as u64,
+            largest_free: self.regions.current().map_or(0, |r| r.largest_free().saturating_sub(HEADER)) as u64,
+            room: room as u64,
             reason,
         })
     }
@@ -511,6 +523,11 @@ impl Workspace {
             if self.regions.has_pending_prefault() {
                 self.prefault_now();
             }
+            if self.recording {
+                let r = self.limit.recorder();
+                r.set_cycle(self.cycles.completed);
+                r.record(Action::CycleOpen, 0, (self.accounts.used + self.accounts.external) as usize, 0, 0);
+            }
         }
         self.cycles.active += 1;
         Ok(())
@@ -631,6 +648,11 @@ impl Workspace {
         }
         report.pinned_bytes = self.accounts.pinned;
         self.cycles.last = report;
+        if self.recording {
+            let r = self.limit.recorder();
+            r.record(Action::CycleClose, 0, report.peak_bytes as usize, 0, report.spills);
+            r.set_cycle(self.cycles.completed);
+        }
         Ok(report)
     }
 
@@ -675,6 +697,9 @@ impl Workspace {
     /// Climbs the ladder from rung 1 for `req`.
     #[inline(always)]
     fn climb(&mut self, req: Request) -> Result<NonNull<u8>, Error> {
+        if self.recording {
+            return self.climb_recorded(req);
+        }
         // A destroyed workspace has no region, so it takes the slow path.
         if (req.size as u64) >= self.route.bypass_below {
             if let Some(p) = self.carve_arena(req) {
@@ -682,6 +707,29 @@ impl Workspace {
             }
         }
         self.alloc_outside(req)
+    }
+
+    /// [`Workspace::climb`], recorded: the block handed out is an event (bypass blocks, not
+    /// workspace memory, are not).
+    #[cold]
+    #[inline(never)]
+    fn climb_recorded(&mut self, req: Request) -> Result<NonNull<u8>, Error> {
+        self.recording = false;
+        let got = self.climb(req);
+        self.recording = true;
+        let recorder = self.limit.recorder();
+        if let Ok(p) = got {
+            // SAFETY: `p` was just handed out by this workspace.
+            match unsafe { self.find_block(p) } {
+                Some(b) if b.kind != BlockKind::Bypass => {
+                    recorder.record(Action::Alloc, p.as_ptr() as usize, b.requested, b.kind as u8, 0)
+                }
+                _ => recorder.set_context(0),
+            }
+        } else {
+            recorder.set_context(0);
+        }
+        got
     }
 
     /// Allocates a block holding `size` bytes from its first `align`-aligned address (`align` a
@@ -875,6 +923,10 @@ impl Workspace {
     /// block of this workspace); if it is a live block of this workspace, the caller gives it up.
     #[inline(always)]
     pub unsafe fn free_if_ours(&mut self, p: NonNull<u8>) -> bool {
+        if self.recording {
+            // SAFETY: forwarded.
+            return unsafe { self.free_recorded(p) };
+        }
         let epoch = self.cycles.epoch;
         let token = self.token;
         // The common case: an arena block of the current region, freed in its own cycle.
@@ -899,6 +951,25 @@ impl Workspace {
         }
         // SAFETY: forwarded.
         unsafe { self.free_slow(p) }
+    }
+
+    /// [`Workspace::free_if_ours`], recorded (before the block goes, so that the event comes
+    /// before any mapping it releases).
+    ///
+    /// # Safety
+    /// As for [`Workspace::free_if_ours`].
+    #[cold]
+    #[inline(never)]
+    unsafe fn free_recorded(&mut self, p: NonNull<u8>) -> bool {
+        // SAFETY: forwarded.
+        if let Some(b) = unsafe { self.find_block(p) }.filter(|b| b.kind != BlockKind::Bypass) {
+            self.limit.recorder().record(Action::Free, p.as_ptr() as usize, b.requested, b.kind as u8, 0);
+        }
+        self.recording = false;
+        // SAFETY: forwarded.
+        let freed = unsafe { self.free_if_ours(p) };
+        self.recording = true;
+        freed
     }
 
     /// What the workspace knows of `p`, if it is a live block of this workspace (None for
@@ -1020,6 +1091,11 @@ impl Workspace {
         let old = h.requested;
         if h.kind == BlockKind::Arena && crate::arena::slot_for(new_size) == Some(h.slot) && !self.cycles.destroyed {
             h.requested = new_size;
+            if self.recording {
+                let (r, at) = (self.limit.recorder(), p.as_ptr() as usize);
+                r.record(Action::Free, at, old, BlockKind::Arena as u8, 0);
+                r.record(Action::Alloc, at, new_size, BlockKind::Arena as u8, 0);
+            }
             let (o, n) = (old as u64, new_size as u64);
             self.accounts.used = self.accounts.used + n - o;
             if h.generation != self.cycles.epoch {
@@ -1060,6 +1136,89 @@ impl Workspace {
         // The current region retires like one replaced by growth: kept while blocks live in it.
         self.regions.retire_all();
         self.release_caches();
+    }
+
+    // -- what it holds, for snapshots ---------------------------------------------------------------
+
+    /// Starts recording the workspace's timeline (blocks, mappings, refusals, cycles) into a ring
+    /// of `max_entries` events, or stops and drops it (`None`). `Err` where the system has no room
+    /// for the ring; recording stays as it was.
+    pub fn record_history(&mut self, max_entries: Option<usize>) -> Result<(), Error> {
+        let r = self.limit.recorder();
+        if !r.set(max_entries) {
+            let bytes = max_entries.unwrap_or(0).saturating_mul(std::mem::size_of::<crate::history::Event>());
+            return Err(Error::system(
+                &self.name,
+                bytes as u64,
+                BackendError::os("record a history", bytes, libc::ENOMEM),
+            ));
+        }
+        r.set_cycle(self.cycles.completed);
+        self.recording = r.is_on();
+        Ok(())
+    }
+
+    /// The workspace's recorder: its history, and the context the next allocation is recorded
+    /// with.
+    pub fn recorder(&self) -> &Recorder {
+        self.limit.recorder()
+    }
+
+    /// Every mapping and block of its own the workspace holds now (arena regions, external
+    /// blocks live or cached, huge mappings live or cached), with the live blocks in each, by
+    /// address. `None` where the system has no room for the list. O(blocks).
+    pub fn segments(&self) -> Option<Vec<Segment>> {
+        fn push<T>(v: &mut Vec<T>, x: T) -> Option<()> {
+            v.try_reserve(1).ok()?;
+            v.push(x);
+            Some(())
+        }
+        let epoch = self.cycles.epoch;
+        let mut out = Vec::new();
+        let current = self.regions.current().map(ArenaRegion::id);
+        for r in self.regions.iter() {
+            let base = r.base().as_ptr() as usize;
+            let (mut blocks, mut room) = (Vec::new(), true);
+            r.each_live(|pos, slot, requested, generation| {
+                let b = LiveBlock {
+                    addr: base + pos + HEADER,
+                    size: slot - HEADER,
+                    requested,
+                    pinned: generation != epoch,
+                };
+                room &= push(&mut blocks, b).is_some();
+            });
+            if !room {
+                return None;
+            }
+            let kind = if Some(r.id()) == current { SegmentKind::Region } else { SegmentKind::Retired };
+            push(&mut out, Segment { kind, address: base, size: r.capacity(), blocks })?;
+        }
+        let inline = self.own.inline();
+        for (at, h) in self.own.each() {
+            let kind = match h.kind {
+                BlockKind::External => SegmentKind::External,
+                BlockKind::Huge => SegmentKind::Huge,
+                _ => continue, // bypass blocks are not the workspace's memory
+            };
+            let (address, size) = if inline { (at - HEADER, h.slot) } else { (at, h.slot - HEADER) };
+            let mut blocks = Vec::new();
+            if h.is_live() {
+                let b = LiveBlock {
+                    addr: at,
+                    size: address + size - at,
+                    requested: h.requested,
+                    pinned: h.generation != epoch,
+                };
+                push(&mut blocks, b)?;
+            }
+            push(&mut out, Segment { kind, address, size, blocks })?;
+        }
+        for (address, size) in self.huge.each_cached() {
+            push(&mut out, Segment { kind: SegmentKind::Huge, address, size, blocks: Vec::new() })?;
+        }
+        out.sort_unstable_by_key(|s| s.address);
+        Some(out)
     }
 
     pub fn stats(&self) -> WorkspaceStats {

@@ -320,8 +320,12 @@ fn new_array_direct<'py>(
             )
         })?;
     }
+    let context = crate::stacks::context();
     let data = {
         let mut ws = shared.lock();
+        if context != 0 {
+            ws.recorder().set_context(context);
+        }
         if zeroed {
             ws.alloc_zeroed(nbytes.max(1))
         } else {
@@ -362,6 +366,21 @@ fn new_array_direct<'py>(
         pyo3::ffi::Py_XDECREF(f.mem_handler);
         f.mem_handler = capsule.clone().into_ptr();
         f.flags |= NPY_ARRAY_OWNDATA;
-        Ok(Bound::from_owned_ptr(py, raw))
     }
+    // NumPy reports what a handler returns to tracemalloc, in its own domain, and the free
+    // (`PyDataMem_UserFREE`) withdraws it: an array made here is reported as NumPy would have,
+    // so tracemalloc sees every workspace array. A no-op while tracemalloc is not tracing.
+    // SAFETY: the GIL is held; the call only records the address and size.
+    unsafe { PyTraceMalloc_Track(NUMPY_TRACE_DOMAIN, data.as_ptr() as usize, nbytes.max(1)) };
+    // SAFETY: `raw` is a new reference, checked non-null above.
+    Ok(unsafe { Bound::from_owned_ptr(py, raw) })
+}
+
+/// NumPy's tracemalloc domain (`NPY_TRACE_DOMAIN` in its headers).
+const NUMPY_TRACE_DOMAIN: std::ffi::c_uint = 389047;
+
+extern "C" {
+    /// Public C API of every CPython since 3.7 (outside the limited API's headers; exported by
+    /// each interpreter 3.11 to 3.13). Returns -2 at once when tracemalloc is not tracing.
+    fn PyTraceMalloc_Track(domain: std::ffi::c_uint, ptr: usize, size: usize) -> std::ffi::c_int;
 }

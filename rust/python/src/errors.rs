@@ -81,6 +81,8 @@ fn exception<'py>(py: Python<'py>, e: &Error) -> PyResult<Bound<'py, PyAny>> {
                 Arg::Int(r.footprint),
                 Arg::Int(r.pinned),
                 Arg::Int(r.cached),
+                Arg::Int(r.largest_free),
+                Arg::Int(r.room),
                 Arg::Text(r.reason),
             ],
         ),

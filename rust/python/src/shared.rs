@@ -146,7 +146,18 @@ impl Shared {
             // Device memory under a NumPy array would crash the first read.
             return self.refuse(Error::unavailable("a device workspace's memory cannot hold NumPy arrays"));
         }
-        let r = if zeroed { self.lock().alloc_zeroed(size) } else { self.lock().alloc(size) };
+        let context = crate::stacks::context();
+        let r = {
+            let mut ws = self.lock();
+            if context != 0 {
+                ws.recorder().set_context(context);
+            }
+            if zeroed {
+                ws.alloc_zeroed(size)
+            } else {
+                ws.alloc(size)
+            }
+        };
         match r {
             Ok(p) => p.as_ptr().cast(),
             Err(e) => self.refuse(e),

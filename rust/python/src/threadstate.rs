@@ -49,6 +49,17 @@ pub(crate) fn attached() -> bool {
     unchecked_getter().is_some_and(|g| !unsafe { g() }.is_null())
 }
 
+/// Whether the calling thread certainly holds the GIL: the attached thread state is this
+/// thread's own (the getter alone says whether any thread holds it on 3.11). False when the
+/// getter is not found.
+pub(crate) fn holds_gil() -> bool {
+    unchecked_getter().is_some_and(|g| {
+        // SAFETY: both calls only read thread-state slots, with or without the GIL.
+        let (attached, own) = unsafe { (g(), PyGILState_GetThisThreadState()) };
+        !attached.is_null() && attached == own
+    })
+}
+
 /// The offset of the current context in a thread state, once checked (0: unknown).
 static CONTEXT_OFFSET: AtomicUsize = AtomicUsize::new(0);
 

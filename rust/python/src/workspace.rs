@@ -19,6 +19,7 @@ use crate::devarray::{self, DeviceSide};
 use crate::device::{reclaim, DeviceBuffer, Source};
 use crate::errors::{self, to_py};
 use crate::handler;
+use crate::memory;
 use crate::shared::Shared;
 use crate::state::CoreState;
 use crate::{arrays, cycles, scope};
@@ -152,6 +153,11 @@ impl WorkspaceCore {
                 )))
             }
         };
+        let device = match backend {
+            Some("cuda") => "cuda",
+            Some("standin") => "standin",
+            _ => "cpu",
+        };
         let (ws, source) = match source {
             None => {
                 let ws = Workspace::new(name, c).map_err(|e| to_py(py, e))?;
@@ -166,6 +172,9 @@ impl WorkspaceCore {
         };
         let cycle_detector = ws.config().use_cycle_detector;
         let shared = Arc::new(Shared::new(ws));
+        if !memory::register(&shared, device, ordinal) {
+            return Err(errors::no_memory(py));
+        }
         let capsule = handler::new_capsule(py, &shared)?;
         let memory = source.into_memory(shared.clone());
         let state = Arc::new(CoreState {

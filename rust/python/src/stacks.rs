@@ -1,0 +1,127 @@
+//! The Python stacks allocations are recorded with (`rustws.memory.record_history(stacks=
+//! "python")`). Each distinct stack is numbered once; a recorded allocation carries its number,
+//! and a snapshot turns numbers into frames. Off, asking costs one flag test.
+//!
+//! A stack is read through the frames' C API (no Python code runs): each frame's code object and
+//! the offset of its current instruction, turned into a line only when a snapshot asks. The
+//! cyclic garbage collector is held off while frame objects are made: a collection there could
+//! run finalizers that free arrays of the workspace about to be locked. Where the GIL is not
+//! held, or memory runs out, the allocation is recorded without a stack.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+/// Frames kept of a stack, innermost first.
+const DEPTH: usize = 64;
+
+static ON: AtomicBool = AtomicBool::new(false);
+
+/// A stack: each frame's code object (its address) and the byte offset of its instruction.
+type Key = Vec<(usize, i32)>;
+
+extern "C" {
+    /// Public C API of CPython 3.9+ and 3.11+ (outside the limited API's headers; exported by
+    /// each interpreter 3.11 to 3.13): the calling frame (a new reference, or NULL) and the byte
+    /// offset of a frame's last instruction (-1 before the first).
+    fn PyFrame_GetBack(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyFrameObject;
+    fn PyFrame_GetLasti(frame: *mut ffi::PyFrameObject) -> std::ffi::c_int;
+}
+
+#[derive(Default)]
+struct Table {
+    ids: HashMap<Key, u32>,
+    stacks: Vec<Key>,
+    /// The code objects the stacks name, kept alive so that an address keeps naming its code.
+    code: HashMap<usize, Py<PyAny>>,
+}
+
+static TABLE: Mutex<Option<Table>> = Mutex::new(None);
+
+/// Records stacks from now on (or stops). Numbers given out stay valid.
+pub(crate) fn set(on: bool) {
+    ON.store(on, Ordering::Relaxed);
+}
+
+pub(crate) fn is_on() -> bool {
+    ON.load(Ordering::Relaxed)
+}
+
+/// The number of the calling Python stack; 0 when stacks are not recorded, the GIL is not held
+/// or memory ran out.
+#[inline]
+pub(crate) fn context() -> u32 {
+    if !ON.load(Ordering::Relaxed) {
+        return 0;
+    }
+    capture().unwrap_or(0)
+}
+
+#[cold]
+fn capture() -> Option<u32> {
+    if !crate::threadstate::holds_gil() {
+        return None;
+    }
+    // SAFETY: the GIL is held (checked above).
+    let py = unsafe { Python::assume_attached() };
+    let mut key = Key::new();
+    key.try_reserve_exact(DEPTH).ok()?;
+    let mut codes: Vec<Bound<'_, PyAny>> = Vec::new();
+    codes.try_reserve_exact(DEPTH).ok()?;
+    // SAFETY: GIL held; returns whether the collector was enabled.
+    let collecting = unsafe { ffi::PyGC_Disable() } != 0;
+    // SAFETY: GIL held; a borrowed reference (or NULL), made a strong one here.
+    let mut frame = unsafe { Bound::from_borrowed_ptr_or_opt(py, ffi::PyEval_GetFrame().cast()) };
+    while let Some(f) = frame {
+        if key.len() == DEPTH {
+            break;
+        }
+        // SAFETY: `f` is a frame object; the calls need only the GIL; the code and the calling
+        // frame are new references (or NULL).
+        let (code, lasti, back) = unsafe {
+            let fp = f.as_ptr().cast::<ffi::PyFrameObject>();
+            (
+                Bound::<PyAny>::from_owned_ptr_or_opt(py, ffi::PyFrame_GetCode(fp).cast()),
+                PyFrame_GetLasti(fp),
+                Bound::<PyAny>::from_owned_ptr_or_opt(py, PyFrame_GetBack(fp).cast()),
+            )
+        };
+        let Some(code) = code else { break };
+        key.push((code.as_ptr() as usize, lasti));
+        codes.push(code);
+        frame = back;
+    }
+    if collecting {
+        // SAFETY: GIL held; the collector goes back on as it was.
+        unsafe { ffi::PyGC_Enable() };
+    }
+    // SAFETY: GIL held; an error left by a failed attribute read is not the caller's.
+    unsafe { ffi::PyErr_Clear() };
+    let mut table = TABLE.lock().unwrap_or_else(|e| e.into_inner());
+    let table = table.get_or_insert_with(Table::default);
+    if let Some(&id) = table.ids.get(&key) {
+        return Some(id);
+    }
+    let id = u32::try_from(table.stacks.len() + 1).ok()?;
+    table.ids.try_reserve(1).ok()?;
+    table.stacks.try_reserve(1).ok()?;
+    table.code.try_reserve(codes.len()).ok()?;
+    for c in codes {
+        table.code.entry(c.as_ptr() as usize).or_insert_with(|| c.unbind());
+    }
+    table.stacks.push(key.clone());
+    table.ids.insert(key, id);
+    Some(id)
+}
+
+/// The frames of stack `id` as `(code object, byte offset of its instruction)`, innermost first;
+/// empty for 0 or an unknown number.
+pub(crate) fn frames(py: Python<'_>, id: u32) -> Vec<(Py<PyAny>, i32)> {
+    let table = TABLE.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(t) = table.as_ref() else { return Vec::new() };
+    let Some(stack) = id.checked_sub(1).and_then(|i| t.stacks.get(i as usize)) else { return Vec::new() };
+    stack.iter().filter_map(|(c, lasti)| t.code.get(c).map(|code| (code.clone_ref(py), *lasti))).collect()
+}
