@@ -700,7 +700,8 @@ def _after_observed_cycle(ws: Any) -> None:
             else:
                 verb = "grew" if after > before else "shrank"
                 what = f"arena {verb} (remapped) {_fmt_bytes(before)} -> {_fmt_bytes(after)}"
-            logger.debug("workspace %r: cycle %d %s", name, cycle, what)
+            sites = _outside_sites(ws.id, cycle, "served outside the arena at") if after > before else ""
+            logger.debug("workspace %r: cycle %d %s%s", name, cycle, what, sites)
         if spills:
             logger.debug(
                 "workspace %r: cycle %d spilled %d request(s) outside the arena (peak %s, arena %s)%s",
@@ -709,7 +710,7 @@ def _after_observed_cycle(ws: Any) -> None:
                 spills,
                 _fmt_bytes(peak),
                 _fmt_bytes(before),
-                _spill_sites(ws.id, cycle),
+                _outside_sites(ws.id, cycle, "spilled at"),
             )
         elif peak > max(before, after) > 0:
             logger.debug(
@@ -740,9 +741,10 @@ def _after_observed_cycle(ws: Any) -> None:
         )
 
 
-def _spill_sites(wid: int, cycle: int) -> str:
-    """Where a recorded cycle's spills were allocated (while ``rustws.memory.record_history`` is
-    on): the three largest sites, each its innermost frame and bytes; empty otherwise."""
+def _outside_sites(wid: int, cycle: int, verb: str) -> str:
+    """Where a recorded cycle allocated outside its arena (what spilled, or what made the arena
+    grow), while ``rustws.memory.record_history`` records stacks: the three largest sites, each
+    its innermost frame outside rustws and its bytes; empty otherwise."""
     from . import memory
 
     if not _rustws.recording_stacks():
@@ -756,13 +758,12 @@ def _spill_sites(wid: int, cycle: int) -> str:
             for a, _, n, c, _, st, k, _ in events
             if a == "alloc" and c == cycle
         ]
-        sites = memory.cycle_sites(trace, cycle, top=3)
         parts = [
             f"{f['filename']}:{f['line']} {f['name']} ({_fmt_bytes(s['bytes'])} in {s['count']})"
-            for s in sites
+            for s in memory.cycle_sites(trace, cycle, top=3)
             if (f := memory.user_frame(s["frames"]))
         ]
-        return "; spilled at " + ", ".join(parts) if parts else ""
+        return f"; {verb} " + ", ".join(parts) if parts else ""
     return ""
 
 

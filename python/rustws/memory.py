@@ -212,20 +212,38 @@ def _segment(
     }
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where installed libraries and the standard library live."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    return tuple(os.path.abspath(d) + os.sep for d in dirs)
+
+
+_LIBRARIES = _library_dirs()
 
 
 def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The innermost frame outside rustws itself (where the program asked for the memory)."""
-    for f in frames:
-        if not os.path.abspath(f["filename"]).startswith(_PACKAGE + os.sep):
+    """Where the program asked for the memory: the innermost frame outside rustws, installed
+    libraries (NumPy's Python layer ...) and the standard library; failing that, the innermost
+    outside rustws."""
+    paths = [os.path.abspath(f["filename"]) for f in frames]
+    for f, p in zip(frames, paths, strict=True):
+        if not p.startswith(_PACKAGE) and not p.startswith(_LIBRARIES):
+            return f
+    for f, p in zip(frames, paths, strict=True):
+        if not p.startswith(_PACKAGE):
             return f
     return frames[0] if frames else None
 
 
 def cycle_sites(trace: list[dict[str, Any]], cycle: int, *, top: int = 5) -> list[dict[str, Any]]:
-    """The allocation sites that made cycle ``cycle`` of a recorded trace spill: the bytes of its
-    allocations outside the arena, by the stack that made them, largest first."""
+    """The allocation sites that made cycle ``cycle`` of a recorded trace spill or grow its arena:
+    the bytes of its allocations outside the arena, by the stack that made them, largest first."""
     by_site: dict[tuple[tuple[str, int, str], ...], dict[str, Any]] = {}
     for e in trace:
         if e.get("action") != "alloc" or e.get("cycle") != cycle:
@@ -240,8 +258,8 @@ def cycle_sites(trace: list[dict[str, Any]], cycle: int, *, top: int = 5) -> lis
 
 
 def _cycles(workspace: str, trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per recorded cycle end: its peak, spills, the mappings it made, and the sites
-    that spilled."""
+    """One entry per recorded cycle end: its peak, spills, the mappings it made, and (where it
+    spilled or mapped memory) the sites that allocated outside the arena."""
     made: dict[int, int] = {}
     inside = False
     for e in trace:
@@ -262,7 +280,7 @@ def _cycles(workspace: str, trace: list[dict[str, Any]]) -> list[dict[str, Any]]
                 "peak_bytes": e["size"],
                 "spills": e["spills"],
                 "segment_bytes": made.get(c, 0),
-                "sites": cycle_sites(trace, c) if e["spills"] else [],
+                "sites": cycle_sites(trace, c) if e["spills"] or made.get(c) else [],
             }
         )
     return out

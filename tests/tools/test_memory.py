@@ -323,6 +323,21 @@ def test_a_spilling_cycle_names_the_code_that_spilled(caplog):
     assert f"spilled at {HERE}:{at} " in msgs[0] and "2.0 MiB" in msgs[0]
 
 
+def test_a_cycle_that_grows_the_arena_names_the_code_that_made_it_grow(caplog):
+    with caplog.at_level(logging.DEBUG, logger="rustws"):
+        ws = rustws.workspace("GROW")  # the adaptive profile: the first cycle sizes the arena
+        with ws:
+            at = line()
+            big = np.ones(2 * MiB // 8)
+            del big
+    msgs = [r.getMessage() for r in caplog.records if "mapped an arena" in r.getMessage()]
+    assert len(msgs) == 1, [r.getMessage() for r in caplog.records]
+    assert f"served outside the arena at {HERE}:{at} " in msgs[0]
+    (c,) = [c for c in memory.snapshot()["cycles"] if c["workspace"] == "GROW"]
+    assert c["spills"] == 0 and c["segment_bytes"] > 0
+    assert memory.user_frame(c["sites"][0]["frames"])["line"] == at
+
+
 def test_tracemalloc_sees_explicit_workspace_arrays():
     ws = rustws.workspace("TRACE", fixed())
     tracemalloc.start()
