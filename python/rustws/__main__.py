@@ -38,6 +38,7 @@ def _info() -> int:
         "RUSTWS_DEBUG_MODE": "every workspace's debug mode",
         "RUSTWS_STRICT": "escapes raise LeakedArrayError when '1'",
         "RUSTWS_TRACE": "escape reports name allocation sites when '1'",
+        "RUSTWS_OOM_SNAPSHOT": "records every workspace's history; a refusal dumps a memory snapshot here",
     }
     print("RUSTWS_* variables in force:" + ("" if env else " none"))
     for key, value in env:

@@ -355,12 +355,26 @@ def test_tracemalloc_sees_explicit_workspace_arrays():
         tracemalloc.stop()
 
 
-def test_device_stand_in_memory_is_a_device_of_its_own():
+def test_device_memory_is_a_device_of_its_own_with_its_blocks_and_stacks():
+    """The device stand-in (host memory a workspace treats as a device's: headers kept apart)."""
     from rustws import _rustws
 
     core = _rustws.WorkspaceCore("STANDIN", fixed()._core_dict(), backend="standin")
+    core._open_cycle()
+    at = line()
+    small, big = core._buffer(1000), core._buffer(3 * MiB)
+    del small
+    core._close_cycle()
     snap = memory.snapshot()
-    (seg,) = [s for s in snap["segments"] if s["workspace"] == "STANDIN"]
-    assert snap["devices"][seg["device"]] == "standin"
-    assert seg["total_size"] == MiB and [b["state"] for b in seg["blocks"]] == ["inactive"]
-    del core
+    check_memory_viz(snap)
+    segs = {s["kind"]: s for s in snap["segments"] if s["workspace"] == "STANDIN"}
+    dev = segs["arena"]["device"]
+    assert snap["devices"][dev] == "standin" and segs["external"]["device"] == dev
+    assert [b["state"] for b in segs["arena"]["blocks"]] == ["inactive"]
+    assert [b["state"] for b in segs["external"]["blocks"]] == ["active_allocated"], (
+        "no header in device memory"
+    )
+    allocs = [e for e in snap["device_traces"][dev] if e["action"] == "alloc"]
+    assert [e["kind"] for e in allocs] == ["arena", "external"]
+    assert all(memory.user_frame(e["frames"])["line"] == at for e in allocs)
+    del big, core
