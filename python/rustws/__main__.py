@@ -83,7 +83,7 @@ def _library_versions() -> list[tuple[str, str]]:
 def _replay(path: str, workspace: str | None) -> int:
     import pickle
 
-    from .memory import recommend
+    from .memory import recommend, recorded_workspaces
 
     try:
         with open(path, "rb") as f:
@@ -91,14 +91,16 @@ def _replay(path: str, workspace: str | None) -> int:
     except (OSError, pickle.UnpicklingError, EOFError) as e:
         print(f"cannot read {path}: {e}", file=sys.stderr)
         return 2
-    names = sorted({e["workspace"] for t in snap.get("device_traces", []) for e in t if "workspace" in e})
-    if workspace is None and len(names) > 1:
-        for name in names:
-            print(recommend(snap, workspace=name).table(), end="\n\n")
-        return 0
     try:
-        print(recommend(snap, workspace=workspace).table())
-    except ValueError as e:
+        found = recorded_workspaces(snap)
+        if workspace is not None:
+            print(recommend(snap, workspace=int(workspace) if workspace.isdigit() else workspace).table())
+            return 0
+        if not found:
+            raise ValueError("it holds no allocation of a workspace (was rustws.memory.record_history on?)")
+        for wid, _ in found:
+            print(recommend(snap, workspace=wid).table(), end="\n\n")
+    except (ValueError, TypeError, KeyError) as e:
         print(f"{path}: {e}", file=sys.stderr)
         return 2
     return 0
@@ -135,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         help="replay a dumped memory snapshot's cycles and print the configuration recommended for them",
     )
     rep.add_argument("file", help="a pickle written by rustws.memory.dump_snapshot")
-    rep.add_argument("--workspace", default=None, help="the workspace to replay (if the file holds several)")
+    rep.add_argument(
+        "--workspace", default=None, help="the workspace to replay, by name or id (default: every one)"
+    )
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()

@@ -27,12 +27,14 @@ __all__ = [
     "cuda_device_count",
     "cuda_probe",
     "current_workspace",
+    "cycle_allocations",
     "dispose_chain",
     "dispose_push",
     "dispose_remove",
     "dispose_statistics",
     "effective_handler",
     "env_debug_mode",
+    "freeze_at_refusals",
     "get_handler",
     "handler_name",
     "memory_state",
@@ -66,7 +68,11 @@ _Outcome = tuple[int, int, int, int, int, int]
 
 def record_history(max_entries: int | None, stacks: bool) -> None: ...
 def recording_stacks() -> bool: ...
-def memory_state() -> list[tuple[str, int, str, int, list[_Segment], list[_Event], int]]: ...
+def memory_state(
+    refusal: tuple[str, int] | None = None,
+) -> list[tuple[str, int, str, int, dict[str, Any], list[_Segment], list[_Event], int]]: ...
+def freeze_at_refusals(on: bool) -> None: ...
+def cycle_allocations(id: int, cycle: int) -> list[tuple[int, int, int]]: ...
 def stack_frames(stack: int) -> list[tuple[Any, int]]: ...
 def replay(config: dict[str, Any], steps: list[tuple[int, int, int]]) -> _Outcome: ...
 def recommend(

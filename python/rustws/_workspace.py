@@ -749,22 +749,17 @@ def _outside_sites(wid: int, cycle: int, verb: str) -> str:
 
     if not _rustws.recording_stacks():
         return ""
-    for _, id_, _, _, _, events, _ in _rustws.memory_state():
-        if id_ != wid:
-            continue
-        frames = memory._Frames()
-        trace = [
-            {"action": a, "cycle": c, "size": n, "kind": memory._KINDS.get(k), "frames": frames(st)}
-            for a, _, n, c, _, st, k, _ in events
-            if a == "alloc" and c == cycle
-        ]
-        parts = [
-            f"{f['filename']}:{f['line']} {f['name']} ({_fmt_bytes(s['bytes'])} in {s['count']})"
-            for s in memory.cycle_sites(trace, cycle, top=3)
-            if (f := memory.user_frame(s["frames"]))
-        ]
-        return f"; {verb} " + ", ".join(parts) if parts else ""
-    return ""
+    frames = memory._Frames()
+    trace = [
+        {"action": "alloc", "cycle": cycle, "size": n, "kind": memory._KINDS.get(k), "frames": frames(st)}
+        for n, st, k in _rustws.cycle_allocations(wid, cycle)
+    ]
+    parts = [
+        f"{f['filename']}:{f['line']} {f['name']} ({_fmt_bytes(s['bytes'])} in {s['count']})"
+        for s in memory.cycle_sites(trace, cycle, top=3)
+        if (f := memory.user_frame(s["frames"]))
+    ]
+    return f"; {verb} " + ", ".join(parts) if parts else ""
 
 
 def get_and_activate_workspace(

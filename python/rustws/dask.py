@@ -215,7 +215,8 @@ def memory_report(
     """Gathers every worker's memory snapshot (``rustws.memory.snapshot()``; start recording on
     the workers first, for example with ``client.run(rustws.memory.record_history)``) and the
     configuration recommended for each workspace that recorded cycles: one row per worker and
-    workspace (``worker``, ``workspace``, ``cycles``, ``need_bytes``, ``recorded`` and
+    workspace (``worker``, ``workspace``, ``workspace_id``: one per worker thread, ``cycles``,
+    ``need_bytes``, ``recorded`` and
     ``recommended`` spills and footprints, ``configuration``). ``snapshots``: a folder where
     each worker's snapshot is also written, as ``<worker>.pickle`` for the memory_viz page."""
     from . import memory
@@ -229,13 +230,13 @@ def memory_report(
         if snapshots is not None:
             with open(os.path.join(os.fspath(snapshots), f"{worker}.pickle"), "wb") as f:
                 pickle.dump(snap, f)
-        names = sorted({e["workspace"] for t in snap["device_traces"] for e in t if e["action"] == "alloc"})
-        for name in names:
-            r = memory.recommend(snap, workspace=name, config=None)
+        for wid, name in memory.recorded_workspaces(snap):
+            r = memory.recommend(snap, workspace=wid)
             rows.append(
                 {
                     "worker": address,
                     "workspace": name,
+                    "workspace_id": wid,
                     "cycles": r.recorded.cycles,
                     "need_bytes": r.need_bytes,
                     "recorded_spills": r.recorded.spills,

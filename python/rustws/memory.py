@@ -6,13 +6,14 @@ mappings taken from the system and given back, refusals, cycle ends), with the P
 each allocation. ``snapshot()`` returns what every workspace holds now and what was recorded, as
 ``torch.cuda.memory._snapshot()`` does: ``segments`` (each with its ``blocks``) and
 ``device_traces`` (``alloc``, ``free_completed``, ``segment_alloc``, ``segment_free``, ``oom``,
-with ``frames``). Host memory (arenas, blocks outside them, huge mappings) is one device, each CUDA
+with ``frames``), for the live workspaces (a destroyed workspace's history goes with it). Host memory (arenas, blocks outside them, huge mappings) is one device, each CUDA
 device another; ``devices`` names them by index. ``dump_snapshot(path)`` writes the pickle that
 https://pytorch.org/memory_viz and ``python -m torch.cuda._memory_viz`` read.
 
 Beyond PyTorch's schema, a snapshot carries ``cycles`` (one entry per recorded cycle end: its
 peak, spills, the mappings it made and the allocation sites that spilled) and trace entries
-carry ``workspace``, ``cycle`` and ``kind``; viewers ignore what they do not know. The 64-byte
+carry ``workspace``, ``workspace_id`` (one name may be a workspace per thread), ``cycle`` and
+``kind``; viewers ignore what they do not know. The 64-byte
 header in front of each block is an inactive block of its own in ``segments``.
 
 ``recommend(snapshot)`` replays the recorded cycles through the core's allocator and returns the
@@ -41,6 +42,7 @@ __all__ = [
     "plot_timeline",
     "recommend",
     "record_history",
+    "recorded_workspaces",
     "replay",
     "set_oom_snapshot",
     "snapshot",
@@ -101,7 +103,10 @@ class _Frames:
 def snapshot() -> dict[str, Any]:
     """Every workspace's memory now and its recorded timeline, in the schema of
     ``torch.cuda.memory._snapshot()`` (see the module's documentation)."""
-    state = _rustws.memory_state()
+    return _snapshot(_rustws.memory_state())
+
+
+def _snapshot(state: list[Any]) -> dict[str, Any]:
     names = _device_names({(device, ordinal) for _, _, device, ordinal, *_ in state})
     index = {d: i for i, d in enumerate(names)}
     frames = _Frames()
@@ -109,11 +114,20 @@ def snapshot() -> dict[str, Any]:
     traces: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in names]
     cycles: list[dict[str, Any]] = []
     workspaces: list[dict[str, Any]] = []
-    for name, wid, device, ordinal, segs, events, dropped in state:
+    for name, wid, device, ordinal, config, segs, events, dropped in state:
         dev = index[_device_name(device, ordinal)]
-        workspaces.append({"name": name, "id": wid, "device": dev, "events": len(events), "dropped": dropped})
+        workspaces.append(
+            {
+                "name": name,
+                "id": wid,
+                "device": dev,
+                "config": config,
+                "events": len(events),
+                "dropped": dropped,
+            }
+        )
         last_stack: dict[int, int] = {}
-        trace = traces[dev]
+        mine: list[dict[str, Any]] = []
         for action, addr, size, cycle, time_ns, stack, block_kind, extra in events:
             e: dict[str, Any] = {
                 "action": action,
@@ -123,6 +137,7 @@ def snapshot() -> dict[str, Any]:
                 "time_us": time_ns // 1000,
                 "frames": frames(stack),
                 "workspace": name,
+                "workspace_id": wid,
                 "cycle": cycle,
             }
             if action == "alloc":
@@ -132,10 +147,11 @@ def snapshot() -> dict[str, Any]:
                 e["device_free"] = extra
             elif action == "cycle_close":
                 e["spills"] = extra
-            trace.append((time_ns, e))
+            traces[dev].append((time_ns, e))
+            mine.append(e)
         for kind, address, size, blocks in segs:
-            segments.append(_segment(dev, name, kind, address, size, blocks, last_stack, frames))
-        cycles.extend(_cycles(name, [e for _, e in trace if e["workspace"] == name]))
+            segments.append(_segment(dev, name, wid, kind, address, size, blocks, last_stack, frames))
+        cycles.extend(_cycles(name, wid, mine))
     segments.sort(key=lambda s: (s["device"], s["address"]))
     return {
         "segments": segments,
@@ -164,6 +180,7 @@ def _device_names(devices: Iterable[tuple[str, int]]) -> list[str]:
 def _segment(
     device: int,
     workspace: str,
+    wid: int,
     kind: str,
     address: int,
     size: int,
@@ -208,6 +225,7 @@ def _segment(
         "frames": [],
         "blocks": tiles,
         "workspace": workspace,
+        "workspace_id": wid,
         "kind": kind,
     }
 
@@ -257,15 +275,17 @@ def cycle_sites(trace: list[dict[str, Any]], cycle: int, *, top: int = 5) -> lis
     return sorted(by_site.values(), key=lambda s: -s["bytes"])[:top]
 
 
-def _cycles(workspace: str, trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per recorded cycle end: its peak, spills, the mappings it made, and (where it
-    spilled or mapped memory) the sites that allocated outside the arena."""
+def _cycles(workspace: str, wid: int, trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per recorded cycle end of one workspace: its peak, spills, the mappings it made,
+    and (where it spilled or mapped memory) the sites that allocated outside the arena."""
     made: dict[int, int] = {}
-    inside = False
+    depth = 0
     for e in trace:
-        if e["action"] in ("cycle_open", "cycle_close"):
-            inside = e["action"] == "cycle_open"
-        elif e["action"] == "segment_alloc" and inside:
+        if e["action"] == "cycle_open":
+            depth += 1
+        elif e["action"] == "cycle_close":
+            depth = max(0, depth - 1)
+        elif e["action"] == "segment_alloc" and depth:
             made[e["cycle"]] = made.get(e["cycle"], 0) + e["size"]
     out = []
     for e in trace:
@@ -275,6 +295,7 @@ def _cycles(workspace: str, trace: list[dict[str, Any]]) -> list[dict[str, Any]]
         out.append(
             {
                 "workspace": workspace,
+                "workspace_id": wid,
                 "cycle": c,
                 "time_us": e["time_us"],
                 "peak_bytes": e["size"],
@@ -330,8 +351,8 @@ def plot_timeline(snap: dict[str, Any], path: str | os.PathLike[str], device: st
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError("plot_timeline needs matplotlib: pip install 'rustws[plots]'") from e
+    except ImportError as missing:
+        raise ImportError("plot_timeline needs matplotlib: pip install 'rustws[plots]'") from missing
     t = timeline(snap, device)
     dev = snap["devices"].index(device)
     trace = snap["device_traces"][dev]
@@ -348,14 +369,19 @@ def plot_timeline(snap: dict[str, Any], path: str | os.PathLike[str], device: st
         label="allocated (live blocks)",
         color="#f28e2c",
     )
-    opened: dict[str, float] = {}
+    opened: dict[int, tuple[float, int]] = {}  # by workspace: when its open cycles began, how many
     for e in trace:
         x = (e["time_us"] - t0) / 1000
+        wid = e.get("workspace_id", 0)
         if e["action"] == "cycle_open":
-            opened[e["workspace"]] = x
-        elif e["action"] == "cycle_close" and e["workspace"] in opened:
-            start = opened.pop(e["workspace"])
-            ax.axvspan(start, x, color="#59a14f", alpha=0.08 if e["cycle"] % 2 else 0.16, lw=0)
+            start, depth = opened.get(wid, (x, 0))
+            opened[wid] = (start, depth + 1)
+        elif e["action"] == "cycle_close" and wid in opened:
+            start, depth = opened.pop(wid)
+            if depth > 1:
+                opened[wid] = (start, depth - 1)
+            else:
+                ax.axvspan(start, x, color="#59a14f", alpha=0.08 if e["cycle"] % 2 else 0.16, lw=0)
         elif e["action"] == "oom":
             ax.axvline(x, color="#e15759", lw=1.2, label="refusal")
     ax.set_xlabel("time (ms); shaded: cycles")
@@ -374,42 +400,63 @@ _OBSERVERS: list[Callable[[BaseException], Any]] = []
 _OOM_PATH: list[str] = []
 
 
+def _freeze() -> None:
+    """Keeps the memory as it is at each refusal of a captured request while anything asks."""
+    _rustws.freeze_at_refusals(bool(_OBSERVERS or _OOM_PATH))
+
+
 def attach_oom_observer(observer: Callable[[BaseException], Any]) -> None:
-    """Calls ``observer(error)`` at each refusal of a workspace, with the ``WorkspaceOutOfMemory``
-    about to be raised (its ``verdict`` says why); the observer may take a ``snapshot()``."""
+    """Calls ``observer(error)`` at each refusal of a workspace with its ``WorkspaceOutOfMemory``
+    (``verdict`` says why) and, as ``error.memory_snapshot``, the snapshot of every workspace as
+    it was at the refusal. An explicit allocation's refusal is observed as it is raised; a
+    captured one (NumPy raises its own ``MemoryError``) when its cycle ends, with the snapshot
+    still taken at the refusal."""
     if not callable(observer):
         raise TypeError(f"observer must be callable, got {type(observer).__name__}")
     _OBSERVERS.append(observer)
+    _freeze()
 
 
 def detach_oom_observer(observer: Callable[[BaseException], Any]) -> None:
     """Stops calling an observer attached with ``attach_oom_observer``."""
     _OBSERVERS.remove(observer)
+    _freeze()
 
 
 def set_oom_snapshot(path: str | os.PathLike[str] | None) -> None:
-    """Dumps a snapshot to ``path`` at each refusal (``None``: stops); recording starts, with
-    stacks, if it was off. ``RUSTWS_OOM_SNAPSHOT=path`` does this at import."""
+    """Dumps a snapshot of every workspace, as it was at the refusal, to ``path`` at each refusal
+    (``None``: stops); recording starts, with stacks, if it was off.
+    ``RUSTWS_OOM_SNAPSHOT=path`` does this at import."""
     _OOM_PATH.clear()
     if path is not None:
         _OOM_PATH.append(os.fspath(path))
         if not _rustws.recording_stacks():
             record_history(True)
+    _freeze()
 
 
-def _on_refusal(error: BaseException) -> None:
+def _on_refusal(error: Any) -> None:
     """Runs at each refusal, as its exception is made: the snapshot and the observers. A failure
     here is noted on the error, never raised instead of it."""
+    if not (_OOM_PATH or _OBSERVERS):
+        return
+    try:
+        snap = _snapshot(_rustws.memory_state((error.workspace, error.requested)))
+    except Exception as e:  # the refusal is what the caller must see: noted, not raised
+        error.add_note(f"rustws: no memory snapshot: {e!r}")
+        return
+    error.memory_snapshot = snap
     for path in list(_OOM_PATH):
         try:
-            dump_snapshot(path)
+            with open(path, "wb") as f:
+                pickle.dump(snap, f)
             error.add_note(f"rustws: memory snapshot written to {path}")
-        except Exception as e:  # the refusal is what the caller must see: noted, not raised
+        except Exception as e:  # as above
             error.add_note(f"rustws: no memory snapshot written to {path}: {e!r}")
     for observer in list(_OBSERVERS):
         try:
             observer(error)
-        except Exception as e:
+        except Exception as e:  # as above
             error.add_note(f"rustws: the OOM observer {observer!r} failed: {e!r}")
 
 
@@ -440,6 +487,7 @@ class Recommendation:
     were recorded with (``recorded``); ``need_bytes`` is the most the cycles had live at once."""
 
     workspace: str
+    workspace_id: int
     configuration: WorkspaceConfiguration
     outcome: ReplayOutcome
     recorded: ReplayOutcome
@@ -468,14 +516,14 @@ class Recommendation:
         return "\n".join(lines)
 
 
-def _steps(trace: list[dict[str, Any]], workspace: str) -> list[tuple[int, int, int]]:
-    """A workspace's recorded trace as the core's replay steps (blocks named by address and
+def _steps(trace: list[dict[str, Any]], wid: int) -> list[tuple[int, int, int]]:
+    """One workspace's recorded trace as the core's replay steps (blocks named by address and
     reuse)."""
     steps: list[tuple[int, int, int]] = []
     live: dict[int, int] = {}
     next_id = 0
     for e in trace:
-        if e.get("workspace") != workspace:
+        if e.get("workspace_id") != wid:
             continue
         a = e["action"]
         if a == "cycle_open":
@@ -491,7 +539,18 @@ def _steps(trace: list[dict[str, Any]], workspace: str) -> list[tuple[int, int, 
     return steps
 
 
-def _recorded(source: Any, workspace: str | None) -> tuple[str, list[tuple[int, int, int]]]:
+def recorded_workspaces(source: Any) -> list[tuple[int, str]]:
+    """The workspaces that allocated in a snapshot's traces (``source``: a snapshot, its pickle's
+    path, or a trace): their ids and names."""
+    _, trace = _load(source)
+    seen: dict[int, str] = {}
+    for e in trace:
+        if e.get("action") == "alloc" and "workspace_id" in e:
+            seen.setdefault(e["workspace_id"], e["workspace"])
+    return sorted(seen.items())
+
+
+def _load(source: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if isinstance(source, (str, os.PathLike)):
         with open(os.fspath(source), "rb") as f:
             source = pickle.load(f)
@@ -499,65 +558,93 @@ def _recorded(source: Any, workspace: str | None) -> tuple[str, list[tuple[int, 
         traces = source.get("device_traces")
         if not isinstance(traces, list):
             raise ValueError("a snapshot needs 'device_traces' (from rustws.memory.snapshot())")
-        trace = [e for t in traces for e in t]
-    elif isinstance(source, list):
-        trace = source
-    else:
-        raise TypeError(f"expected a snapshot dict, its path or a trace list, got {type(source).__name__}")
-    counts: dict[str, int] = {}
-    for e in trace:
-        if e.get("action") == "alloc" and "workspace" in e:
-            counts[e["workspace"]] = counts.get(e["workspace"], 0) + 1
+        return source, [e for t in traces for e in t]
+    if isinstance(source, list):
+        return {}, source
+    raise TypeError(f"expected a snapshot dict, its path or a trace list, got {type(source).__name__}")
+
+
+def _recorded(
+    source: Any, workspace: str | int | None, config: WorkspaceConfiguration | None
+) -> tuple[str, WorkspaceConfiguration, list[tuple[int, int, int]], int]:
+    """The workspace of ``source`` that ``workspace`` names (a name, or an id where several
+    workspaces share a name), the configuration it was recorded with, and its steps."""
+    snap, trace = _load(source)
+    found = recorded_workspaces(trace)
+    if not found:
+        raise ValueError(
+            "the trace holds no allocation of a workspace: record with "
+            "rustws.memory.record_history() before the loop runs"
+        )
     if workspace is None:
-        if not counts:
+        picked = found
+        if len(picked) > 1:
+            raise ValueError(f"the trace holds several workspaces, name one (or its id): {found}")
+    elif isinstance(workspace, int) and not isinstance(workspace, bool):
+        picked = [w for w in found if w[0] == workspace]
+    elif isinstance(workspace, str):
+        picked = [w for w in found if w[1] == workspace]
+        if len(picked) > 1:
             raise ValueError(
-                "the trace holds no allocation of a workspace: record with "
-                "rustws.memory.record_history() before the loop runs"
+                f"several workspaces are named {workspace!r} (one per thread?): pick one by id: {picked}"
             )
-        if len(counts) > 1:
-            raise ValueError(f"the trace holds several workspaces, name one: {sorted(counts)}")
-        workspace = next(iter(counts))
-    elif workspace not in counts:
+    else:
+        raise TypeError(f"workspace must be a name or an id, got {type(workspace).__name__}")
+    if not picked:
         raise ValueError(f"workspace {workspace!r} allocated nothing in the trace")
-    return workspace, _steps(trace, workspace)
+    wid, name = picked[0]
+    return name, _base(snap, wid, name, config), _steps(trace, wid), wid
 
 
-def _base(workspace: str, config: WorkspaceConfiguration | None) -> WorkspaceConfiguration:
+def _base(
+    snap: dict[str, Any], wid: int, name: str, config: WorkspaceConfiguration | None
+) -> WorkspaceConfiguration:
+    """The configuration given, else the one the snapshot recorded for the workspace, else the
+    live workspace's of that name, else the adaptive profile."""
     if config is not None:
         if not isinstance(config, WorkspaceConfiguration):
             raise TypeError(f"config must be a WorkspaceConfiguration, got {type(config).__name__}")
         return config
+    for w in snap.get("workspaces", ()):
+        if w.get("id") == wid and isinstance(w.get("config"), dict):
+            return WorkspaceConfiguration.from_dict(w["config"])
     from ._workspace import workspaces
 
     for ws in workspaces():
-        if ws.name == workspace:
+        if ws.name == name:
             return ws.config
     return WorkspaceConfiguration.adaptive()
 
 
-def replay(source: Any, config: WorkspaceConfiguration, *, workspace: str | None = None) -> ReplayOutcome:
+def replay(
+    source: Any, config: WorkspaceConfiguration, *, workspace: str | int | None = None
+) -> ReplayOutcome:
     """Replays the cycles recorded in ``source`` (a snapshot, its pickle's path, or a trace)
     through a workspace configured by ``config``."""
-    name, steps = _recorded(source, workspace)
-    return ReplayOutcome(*_rustws.replay(_base(name, config)._core_dict(), steps))
+    if not isinstance(config, WorkspaceConfiguration):
+        raise TypeError(f"config must be a WorkspaceConfiguration, got {type(config).__name__}")
+    _, base, steps, _ = _recorded(source, workspace, config)
+    return ReplayOutcome(*_rustws.replay(base._core_dict(), steps))
 
 
 def recommend(
     source: Any,
     *,
-    workspace: str | None = None,
+    workspace: str | int | None = None,
     config: WorkspaceConfiguration | None = None,
 ) -> Recommendation:
     """The configuration that would have served the cycles recorded in ``source`` (a snapshot,
     its pickle's path, or a trace) without a spill and with the least memory: an arena sized up
     front from the recorded need, with the smallest overallocation that replays without spills,
     and spills that grow it should a later cycle need more. ``config`` is the configuration the
-    loop was recorded with (by default the live workspace's of that name, else the adaptive
-    profile); its other fields are kept."""
-    name, steps = _recorded(source, workspace)
-    made, outcome, recorded, need = _rustws.recommend(_base(name, config)._core_dict(), steps)
+    loop was recorded with (by default the one the snapshot holds for it); its other fields are
+    kept. ``workspace``: its name, or its id where several workspaces (one per thread) share a
+    name."""
+    name, base, steps, wid = _recorded(source, workspace, config)
+    made, outcome, recorded, need = _rustws.recommend(base._core_dict(), steps)
     return Recommendation(
         workspace=name,
+        workspace_id=wid,
         configuration=WorkspaceConfiguration.from_dict(made),
         outcome=ReplayOutcome(*outcome),
         recorded=ReplayOutcome(*recorded),

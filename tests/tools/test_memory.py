@@ -81,6 +81,17 @@ def check_memory_viz(snap) -> None:
                 live.discard(e["addr"])
         times = [e["time_us"] for e in trace]
         assert times == sorted(times)
+    # What MemoryViz.js does to draw any step: from the final segments back through the trace,
+    # every block an event names lies in a segment mapped at that moment.
+    for dev, trace in enumerate(snap["device_traces"]):
+        mapped = {(s["address"], s["total_size"]) for s in snap["segments"] if s["device"] == dev}
+        for e in reversed(trace):
+            if e["action"] == "segment_free":
+                mapped.add((e["addr"], e["size"]))
+            elif e["action"] == "segment_alloc":
+                mapped.discard((e["addr"], e["size"]))
+            elif e["action"] in ("alloc", "free_completed"):
+                assert any(a <= e["addr"] < a + n for a, n in mapped), f"{e} lies in no segment"
 
 
 def test_a_known_program_has_exactly_its_segments_blocks_and_events():
@@ -112,6 +123,7 @@ def test_a_known_program_has_exactly_its_segments_blocks_and_events():
     assert snap["cycles"] == [
         {
             "workspace": "SNAP",
+            "workspace_id": ws.id,
             "cycle": 0,
             "time_us": trace[-1]["time_us"],
             "peak_bytes": 3 * MiB + 1000,
@@ -224,6 +236,64 @@ def test_an_oom_under_max_size_gives_the_verdict_and_writes_the_snapshot(tmp_pat
     assert any(str(path) in n for n in e.__notes__)
 
 
+def test_a_captured_refusal_is_observed_with_the_memory_as_it_was_at_the_refusal():
+    seen = []
+    memory.attach_oom_observer(seen.append)
+    try:
+        ws = rustws.workspace("FROZEN", fixed(max_size="4MiB"))
+        with ws:
+            kept = ws.empty(2 * MiB, np.uint8)
+            with pytest.raises(MemoryError):
+                np.ones(3 * MiB // 8)  # NumPy's own MemoryError: reported when the cycle ends
+            assert seen == []
+            del kept
+    finally:
+        memory.detach_oom_observer(seen.append)
+    (e,) = seen
+    assert isinstance(e, WorkspaceOutOfMemory) and e.requested == 3 * MiB
+    snap = e.memory_snapshot
+    check_memory_viz(snap)
+    live = [b for s in snap["segments"] if s["workspace"] == "FROZEN" for b in s["blocks"]]
+    assert [b["requested_size"] for b in live if b["state"] == "active_allocated"] == [2 * MiB], (
+        "the kept block, live at the refusal though freed before the cycle ended"
+    )
+    assert [x["size"] for x in trace_of(snap, "FROZEN") if x["action"] == "oom"] == [3 * MiB]
+
+
+def test_workspaces_of_one_name_on_several_threads_are_told_apart():
+    import threading
+
+    def run(n: int) -> None:
+        ws = rustws.workspace("PERTHREAD", fixed())  # one per thread, alive while its thread is
+        for _ in range(3):
+            with ws:
+                a = np.ones(n)
+                del a
+        ids.append(ws.id)
+        done.release()
+        snapped.wait()
+
+    ids: list[int] = []
+    done, snapped = threading.Semaphore(0), threading.Event()
+    threads = [threading.Thread(target=run, args=(n,)) for n in (300_000, 30_000)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        done.acquire()
+    snap = memory.snapshot()
+    snapped.set()
+    for t in threads:
+        t.join()
+    assert memory.recorded_workspaces(snap) == sorted((i, "PERTHREAD") for i in ids)
+    with pytest.raises(ValueError, match="several workspaces are named"):
+        memory.recommend(snap, workspace="PERTHREAD")
+    needs = sorted(memory.recommend(snap, workspace=i).need_bytes for i in ids)
+    assert needs[0] < 30_000 * 8 * 2 < 300_000 * 8 <= needs[1], needs
+    assert sorted(c["workspace_id"] for c in snap["cycles"] if c["workspace"] == "PERTHREAD") == sorted(
+        ids * 3
+    )
+
+
 def test_the_verdict_tells_the_limit_from_fragmentation_and_the_spill_policy():
     from rustws._errors import _refused, _system_refused
 
@@ -302,13 +372,27 @@ def test_recommend_returns_a_configuration_that_runs_the_loop_without_spills(tmp
     assert "recommended" in out.stdout and f"initial_size={r.configuration.initial_size}" in out.stdout
 
 
+def test_the_replay_command_says_why_it_cannot_replay_a_file(tmp_path):
+    memory.record_history(False)
+    memory.dump_snapshot(tmp_path / "empty.pickle")
+    (tmp_path / "junk.pickle").write_bytes(b"not a pickle")
+    for name, why in (("empty.pickle", "no allocation"), ("junk.pickle", "cannot read")):
+        out = subprocess.run(
+            [sys.executable, "-m", "rustws", "replay", str(tmp_path / name)], capture_output=True, text=True
+        )
+        assert out.returncode == 2 and why in out.stderr, out.stderr
+
+
 def test_recommend_refuses_what_it_cannot_read():
     with pytest.raises(TypeError, match="snapshot"):
         memory.recommend(42)
     with pytest.raises(ValueError, match="no allocation"):
         memory.recommend({"device_traces": [[]]})
+    one = {"action": "alloc", "addr": 64, "size": 8, "workspace": "A", "workspace_id": 1}
     with pytest.raises(ValueError, match="allocated nothing"):
-        memory.recommend({"device_traces": [[]]}, workspace="nope")
+        memory.recommend({"device_traces": [[one]]}, workspace="nope")
+    with pytest.raises(TypeError, match="name or an id"):
+        memory.recommend({"device_traces": [[one]]}, workspace=1.5)
 
 
 def test_a_spilling_cycle_names_the_code_that_spilled(caplog):

@@ -199,6 +199,20 @@ impl Recorder {
         self.context.store(context, Ordering::Relaxed);
     }
 
+    /// A copy of the recorded events `pick` keeps (oldest first); `None` where the system had no
+    /// room for the copy.
+    pub fn select(&self, pick: impl Fn(&Event) -> bool) -> Option<Vec<Event>> {
+        let h = self.history();
+        let mut out = Vec::new();
+        if let Some(h) = h.as_ref() {
+            for e in h.events().filter(|e| pick(e)) {
+                out.try_reserve(1).ok()?;
+                out.push(*e);
+            }
+        }
+        Some(out)
+    }
+
     /// A copy of the events recorded (oldest first) and how many were dropped; `None` where the
     /// system had no room for the copy.
     pub fn events(&self) -> Option<(Vec<Event>, u64)> {

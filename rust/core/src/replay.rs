@@ -96,7 +96,8 @@ impl Backend for AddressSpaceOnly {
 /// recording's own order (a free of a block never allocated, a close with no cycle open: a
 /// recording whose oldest events were dropped) are skipped.
 pub fn replay(config: &WorkspaceConfiguration, steps: &[Step]) -> Result<Outcome, Error> {
-    let mut ws = Workspace::with_backend("replay", config.clone(), Arc::new(AddressSpaceOnly))?;
+    // Replays record nothing, whatever workspaces made now do.
+    let mut ws = Workspace::made("replay", config.clone(), Arc::new(AddressSpaceOnly), None)?;
     let mut live: HashMap<u64, NonNull<u8>> = HashMap::new();
     let mut out = Outcome::default();
     let mut result = Ok(());

@@ -46,6 +46,10 @@ pub const PREFAULT_LIMIT: usize = 1 << 30;
 /// an arena takes over.
 const TRIM_AFTER: usize = 1 << 20;
 
+/// Refusals that are not for want of memory (no `oom` event records them).
+const REFUSED_ALIGNMENT: &str = "alignment not a power of two up to a page";
+const REFUSED_NOT_OURS: &str = "not a live block of this workspace";
+
 /// Workspace tokens: unique in the process, never 0.
 static NEXT_TOKEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -222,7 +226,19 @@ impl Workspace {
     }
 
     /// A workspace over an explicit backend (device memory, a limit adaptor, a test stand-in).
+    /// Where workspaces made now record ([`crate::history::record_new_workspaces`]), it records
+    /// from its first mapping on (without, where the system has no room for the ring).
     pub fn with_backend(name: &str, config: WorkspaceConfiguration, backend: Arc<dyn Backend>) -> Result<Self, Error> {
+        Self::made(name, config, backend, crate::history::new_workspace_ring())
+    }
+
+    /// A workspace that records into a ring of `ring` events from the start (None: it does not).
+    pub(crate) fn made(
+        name: &str,
+        config: WorkspaceConfiguration,
+        backend: Arc<dyn Backend>,
+        ring: Option<usize>,
+    ) -> Result<Self, Error> {
         config.validate()?;
         let debug = config.effective_debug_mode();
         let max = if config.max_size > 0 { config.max_size as usize } else { usize::MAX };
@@ -245,8 +261,9 @@ impl Workspace {
             accounts: Accounts::default(),
             recording: false,
         };
-        if let Some(max) = crate::history::new_workspace_ring() {
-            ws.record_history(Some(max))?;
+        if ring.is_some() {
+            // Recording is a diagnostic: a ring the system has no room for leaves it off.
+            let _ = ws.record_history(ring);
         }
         if ws.config.initial_size > 0 && ws.route.arena {
             // Nothing was learned yet: the pages fault in as cycles first touch them.
@@ -389,8 +406,13 @@ impl Workspace {
     }
 
     fn out_of_memory(&self, requested: u64, reason: &'static str) -> Error {
-        let room = self.limit.room();
-        self.limit.recorder().record(Action::Oom, 0, requested as usize, 0, room as u64);
+        let room = self.room();
+        let recorder = self.limit.recorder();
+        // The caller's stack was for a block that is not coming.
+        recorder.set_context(0);
+        if reason != REFUSED_ALIGNMENT && reason != REFUSED_NOT_OURS {
+            recorder.record(Action::Oom, 0, requested as usize, 0, room as u64);
+        }
         Error::OutOfMemory(Refusal {
             workspace: self.name.clone(),
             requested,
@@ -407,7 +429,20 @@ impl Workspace {
 
     fn system_refused(&mut self, size: usize, cause: BackendError) -> Error {
         self.accounts.failures += 1;
+        let recorder = self.limit.recorder();
+        recorder.set_context(0);
+        recorder.record(Action::Oom, 0, size, 0, self.room() as u64);
         Error::system(&self.name, size as u64, cause)
+    }
+
+    /// Bytes the workspace could still take: what its limit grants, or without one what the
+    /// system has available.
+    fn room(&self) -> usize {
+        if self.limit.limit() == usize::MAX {
+            available_memory()
+        } else {
+            self.limit.room()
+        }
     }
 
     // -- the arena's size --------------------------------------------------------------------------
@@ -524,10 +559,13 @@ impl Workspace {
                 self.prefault_now();
             }
             if self.recording {
-                let r = self.limit.recorder();
-                r.set_cycle(self.cycles.completed);
-                r.record(Action::CycleOpen, 0, (self.accounts.used + self.accounts.external) as usize, 0, 0);
+                self.limit.recorder().set_cycle(self.cycles.completed);
             }
+        }
+        if self.recording {
+            // Every open, overlapping ones too: each has its close.
+            let live = (self.accounts.used + self.accounts.external) as usize;
+            self.limit.recorder().record(Action::CycleOpen, 0, live, 0, 0);
         }
         self.cycles.active += 1;
         Ok(())
@@ -739,7 +777,7 @@ impl Workspace {
     /// [`Workspace::free`] of the pointer returned, not of the aligned address.
     pub fn alloc_aligned(&mut self, size: usize, align: usize) -> Result<NonNull<u8>, Error> {
         if !align.is_power_of_two() || align > round_to_page(1) {
-            return Err(self.refuse(size, "alignment not a power of two up to a page"));
+            return Err(self.refuse(size, REFUSED_ALIGNMENT));
         }
         let own_align = (!self.route.host).then(|| self.limit.upstream().block_align());
         let Some(req) = Request::aligned(size, align, own_align) else {
@@ -1084,7 +1122,7 @@ impl Workspace {
         let found = unsafe { self.find_block(p) }.and_then(|_| self.locate(p)).map(|(h, _)| h);
         let Some(hp) = found else {
             self.accounts.bad_frees += 1;
-            return Err(self.refuse(new_size, "not a live block of this workspace"));
+            return Err(self.refuse(new_size, REFUSED_NOT_OURS));
         };
         // SAFETY: a live header of ours; the borrow ends before the block can be freed below.
         let h = unsafe { &mut *hp.as_ptr() };

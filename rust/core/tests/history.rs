@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use rustws_core::history::{Action, Event, SegmentKind};
+use rustws_core::history::{self, Action, Event, SegmentKind};
 use rustws_core::*;
 
 const KIB: usize = 1 << 10;
@@ -142,4 +142,55 @@ fn recording_while_off_costs_no_event_and_segments_exist_before_recording() {
     // SAFETY: live, freed once.
     unsafe { ws.free(p) };
     ws.close_cycle().unwrap();
+}
+
+#[test]
+fn overlapping_cycles_each_record_their_open_and_close() {
+    let mut ws = Workspace::with_backend("v", fixed(MIB), Arc::new(AnonymousMemory)).unwrap();
+    ws.record_history(Some(64)).unwrap();
+    ws.open_cycle().unwrap();
+    ws.open_cycle().unwrap(); // another task's cycle, beside the first
+    let a = ws.alloc(100).unwrap();
+    ws.close_cycle().unwrap();
+    let b = ws.alloc(200).unwrap();
+    ws.close_cycle().unwrap();
+    let (events, _) = ws.recorder().events().unwrap();
+    let opens = events.iter().filter(|e| e.action == Action::CycleOpen).count();
+    let closes: Vec<u64> = events.iter().filter(|e| e.action == Action::CycleClose).map(|e| e.cycle).collect();
+    assert_eq!((opens, closes), (2, vec![0, 1]), "{events:#?}");
+    let second = events.iter().position(|e| e.action == Action::Alloc && e.size == 200).unwrap();
+    assert_eq!(events[second].cycle, 1, "after the first close, events belong to the next cycle");
+    for p in [a, b] {
+        // SAFETY: live blocks of `ws`, freed once.
+        unsafe { ws.free(p) };
+    }
+}
+
+#[test]
+fn only_refusals_for_want_of_memory_are_oom_events_and_a_refusal_drops_the_pending_stack() {
+    let config = WorkspaceConfiguration { max_size: (2 * MIB) as u64, ..fixed(MIB) };
+    let mut ws = Workspace::with_backend("r", config, Arc::new(AnonymousMemory)).unwrap();
+    ws.record_history(Some(64)).unwrap();
+    ws.open_cycle().unwrap();
+    ws.recorder().set_context(7);
+    assert!(ws.alloc_aligned(100, 3).is_err(), "an alignment that is no power of two");
+    assert!(ws.alloc(usize::MAX - 4096).is_err(), "too large for any size class");
+    let p = ws.alloc(100).unwrap();
+    let (events, _) = ws.recorder().events().unwrap();
+    let ooms: Vec<usize> = events.iter().filter(|e| e.action == Action::Oom).map(|e| e.size).collect();
+    assert_eq!(ooms, [usize::MAX - 4096], "the bad alignment is no oom");
+    let alloc = events.iter().find(|e| e.action == Action::Alloc).unwrap();
+    assert_eq!(alloc.context, 0, "the refused request's stack is not the next block's");
+    // SAFETY: live, freed once.
+    unsafe { ws.free(p) };
+    ws.close_cycle().unwrap();
+}
+
+#[test]
+fn a_ring_the_system_cannot_reserve_leaves_new_workspaces_unrecorded() {
+    history::record_new_workspaces(Some(usize::MAX / 2));
+    let made = Workspace::with_backend("u", fixed(MIB), Arc::new(AnonymousMemory));
+    history::record_new_workspaces(None);
+    let ws = made.expect("made, without recording");
+    assert!(!ws.recorder().is_on());
 }

@@ -21,8 +21,9 @@
 //! to the handler below, and a reallocation keeps a block with the allocator that made it
 //! (a workspace block moves out to the handler below only where the workspace no longer serves).
 //!
-//! The handlers' functions never call into Python and never unwind: a refusal is recorded (for
-//! the Python layer to report) and NumPy gets NULL.
+//! The handlers' functions never call into Python code and never unwind: a refusal is recorded
+//! (for the Python layer to report) and NumPy gets NULL. While stacks are recorded, an allocation
+//! reads the calling frames through CPython's frame API (see `stacks`), which runs no Python code.
 
 use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -181,10 +182,14 @@ unsafe fn realloc_if_ours(
     stays: bool,
     out: *const PyDataMemHandler,
 ) -> Option<*mut c_void> {
+    let context = crate::stacks::context();
     let mut ws = shared.lock();
     // SAFETY: the caller's guarantee.
     let info = unsafe { ws.find_block(p) }?;
     if stays {
+        if context != 0 {
+            ws.recorder().set_context(context);
+        }
         // SAFETY: a live block of this workspace, given up on success.
         let r = unsafe { ws.realloc(p, new_size) };
         drop(ws);

@@ -207,6 +207,8 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory::record_history, m)?)?;
     m.add_function(wrap_pyfunction!(memory::recording_stacks, m)?)?;
     m.add_function(wrap_pyfunction!(memory::memory_state, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::freeze_at_refusals, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::cycle_allocations, m)?)?;
     m.add_function(wrap_pyfunction!(memory::stack_frames, m)?)?;
     m.add_function(wrap_pyfunction!(memory::replay, m)?)?;
     m.add_function(wrap_pyfunction!(memory::recommend, m)?)?;

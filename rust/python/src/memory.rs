@@ -2,45 +2,17 @@
 //! references, host and device), their recording, their segments and
 //! timelines at one moment, and the replay behind a recommended configuration.
 
-use std::sync::{Arc, Mutex, Weak};
-
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use rustws_core::history::{Event, Segment};
+use rustws_core::history::{Action, Event, Segment};
 use rustws_core::replay::{Outcome, Step};
 use rustws_core::WorkspaceConfiguration;
 
 use crate::config::{config_from_dict, config_to_dict};
 use crate::errors::{self, to_py};
-use crate::shared::Shared;
+use crate::shared::{self, listed};
 use crate::stacks;
-
-/// A workspace of the process and the memory it holds: `"cpu"`, `"cuda"` (with its device's
-/// ordinal) or `"standin"` (host memory treated as a device's).
-struct Entry {
-    shared: Weak<Shared>,
-    device: &'static str,
-    ordinal: usize,
-}
-
-static REGISTRY: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
-
-/// Lists a new workspace; `false` where there was no room in the list.
-pub(crate) fn register(shared: &Arc<Shared>, device: &'static str, ordinal: usize) -> bool {
-    let mut list = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
-    list.retain(|e| e.shared.strong_count() > 0);
-    if list.try_reserve(1).is_err() {
-        return false;
-    }
-    list.push(Entry { shared: Arc::downgrade(shared), device, ordinal });
-    true
-}
-
-fn live() -> Vec<(Arc<Shared>, &'static str, usize)> {
-    let list = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
-    list.iter().filter_map(|e| e.shared.upgrade().map(|s| (s, e.device, e.ordinal))).collect()
-}
 
 /// Starts recording every workspace's timeline, now and as they are made, into rings of
 /// `max_entries` events (None: stops and drops what was recorded); `stacks`: with the Python
@@ -53,7 +25,10 @@ pub(crate) fn record_history(py: Python<'_>, max_entries: Option<usize>, stacks:
     }
     rustws_core::history::record_new_workspaces(max_entries);
     stacks::set(stacks && max_entries.is_some());
-    for (shared, _, _) in live() {
+    if max_entries.is_none() {
+        stacks::clear();
+    }
+    for (shared, _, _) in listed().ok_or_else(|| errors::no_memory(py))? {
         let done = shared.lock().record_history(max_entries);
         done.map_err(|e| to_py(py, e))?;
     }
@@ -69,31 +44,48 @@ pub(crate) fn recording_stacks() -> bool {
 type BlockRow = (usize, usize, usize, bool);
 type SegmentRow = (&'static str, usize, usize, Vec<BlockRow>);
 type EventRow = (&'static str, usize, usize, u64, u64, u32, u8, u64);
+type StateRow<'py> = (String, u64, &'static str, usize, Bound<'py, PyDict>, Vec<SegmentRow>, Vec<EventRow>, u64);
 
-/// Every live workspace now: `(name, id, device, ordinal, segments, events, dropped)`, where a
-/// segment is `(kind, address, size, blocks)`, a block `(address, size, requested, pinned)` and
-/// an event `(action, address, size, cycle, time_ns, stack, block kind, extra)`.
+/// Every live workspace now, or (`refusal`: a workspace's name and the bytes it refused) as it
+/// was at that refusal of a captured request where it was kept: `(name, id, device, ordinal,
+/// configuration, segments, events, dropped)`, where a segment is `(kind, address, size,
+/// blocks)`, a block `(address, size, requested, pinned)` and an event `(action, address, size,
+/// cycle, time_ns, stack, block kind, extra)`.
 #[pyfunction]
-#[allow(clippy::type_complexity)]
-pub(crate) fn memory_state(
-    py: Python<'_>,
-) -> PyResult<Vec<(String, u64, &'static str, usize, Vec<SegmentRow>, Vec<EventRow>, u64)>> {
+#[pyo3(signature = (refusal=None))]
+pub(crate) fn memory_state(py: Python<'_>, refusal: Option<(String, u64)>) -> PyResult<Vec<StateRow<'_>>> {
+    // What the core holds is copied under each lock; Python objects are made after (making them
+    // may run the collector, which may free a workspace's arrays).
+    let kept = refusal.and_then(|(name, requested)| shared::take_frozen(&name, requested));
+    let states = match kept {
+        Some(states) => states,
+        None => shared::memory_states().ok_or_else(|| errors::no_memory(py))?,
+    };
     let mut out = Vec::new();
-    for (shared, device, ordinal) in live() {
-        // What the core holds is copied under the lock; Python objects are made after it (making
-        // them may run the collector, which may free this workspace's arrays).
-        let (segments, events) = {
-            let ws = shared.lock();
-            (ws.segments(), ws.recorder().events())
-        };
-        let (Some(segments), Some((events, dropped))) = (segments, events) else {
-            return Err(errors::no_memory(py));
-        };
-        let segments = segments.into_iter().map(segment_row).collect();
-        let events = events.into_iter().map(event_row).collect();
-        out.push((shared.name.to_string(), shared.id, device, ordinal, segments, events, dropped));
+    for s in states {
+        let config = config_to_dict(py, &s.config)?;
+        let segments = s.segments.into_iter().map(segment_row).collect();
+        let events = s.events.into_iter().map(event_row).collect();
+        out.push((s.name.to_string(), s.id, s.device, s.ordinal, config, segments, events, s.dropped));
     }
     Ok(out)
+}
+
+/// Keeps every workspace's memory as it is at each refusal of a captured request from now on (for
+/// `memory_state(refusal=...)`), or stops.
+#[pyfunction]
+pub(crate) fn freeze_at_refusals(on: bool) {
+    shared::freeze_at_refusals(on);
+}
+
+/// One workspace's allocations of one cycle: `(size, stack, block kind)` each.
+#[pyfunction]
+pub(crate) fn cycle_allocations(py: Python<'_>, id: u64, cycle: u64) -> PyResult<Vec<(usize, u32, u8)>> {
+    let Some(all) = listed() else { return Err(errors::no_memory(py)) };
+    let Some((shared, _, _)) = all.into_iter().find(|(s, _, _)| s.id == id) else { return Ok(Vec::new()) };
+    let picked = shared.lock().recorder().select(|e| e.action == Action::Alloc && e.cycle == cycle);
+    let picked = picked.ok_or_else(|| errors::no_memory(py))?;
+    Ok(picked.into_iter().map(|e| (e.size, e.context, e.kind)).collect())
 }
 
 fn segment_row(s: Segment) -> SegmentRow {

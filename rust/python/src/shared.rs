@@ -9,10 +9,11 @@ use std::ffi::{c_char, c_void};
 use std::mem::ManuallyDrop;
 use std::ptr::{null_mut, NonNull};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use pyo3::ffi;
-use rustws_core::{BlockKind, DebugMode, Error, Workspace};
+use rustws_core::history::{Event, Segment};
+use rustws_core::{BlockKind, DebugMode, Error, Workspace, WorkspaceConfiguration};
 
 /// A workspace as the bindings share it: the core behind one lock, plus what the handler
 /// records for the Python layer.
@@ -135,6 +136,16 @@ impl Shared {
             }
         }
         self.has_failures.store(true, Ordering::Relaxed);
+        if FREEZE_AT_REFUSALS.load(Ordering::Relaxed) {
+            let requested = match &e {
+                Error::OutOfMemory(r) => Some(r.requested),
+                Error::SystemOutOfMemory { requested, .. } => Some(*requested),
+                _ => None,
+            };
+            if let Some(requested) = requested {
+                freeze(&self.name, requested);
+            }
+        }
         LAST_REFUSAL.with(|r| *r.borrow_mut() = Some(e));
         null_mut()
     }
@@ -259,6 +270,112 @@ impl ScopeState {
         self.frame.store(caller_frame(), Ordering::Relaxed);
         self.open.store(true, Ordering::Relaxed);
         self.mark_context();
+    }
+}
+
+// -- every workspace of the process, and its memory at one moment ------------------------------------
+
+/// A workspace of the process and the memory it holds: `"cpu"`, `"cuda"` (with its device's
+/// ordinal) or `"standin"` (host memory treated as a device's).
+struct Listed {
+    shared: Weak<Shared>,
+    device: &'static str,
+    ordinal: usize,
+}
+
+static LISTED: Mutex<Vec<Listed>> = Mutex::new(Vec::new());
+
+/// Lists a new workspace; `false` where there was no room in the list.
+pub(crate) fn list(shared: &Arc<Shared>, device: &'static str, ordinal: usize) -> bool {
+    let mut list = LISTED.lock().unwrap_or_else(|e| e.into_inner());
+    list.retain(|e| e.shared.strong_count() > 0);
+    if list.try_reserve(1).is_err() {
+        return false;
+    }
+    list.push(Listed { shared: Arc::downgrade(shared), device, ordinal });
+    true
+}
+
+/// The live workspaces, with their memory; `None` where there was no room for the list.
+pub(crate) fn listed() -> Option<Vec<(Arc<Shared>, &'static str, usize)>> {
+    let list = LISTED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut out = Vec::new();
+    out.try_reserve(list.len()).ok()?;
+    out.extend(list.iter().filter_map(|e| e.shared.upgrade().map(|s| (s, e.device, e.ordinal))));
+    Some(out)
+}
+
+/// One workspace's memory at one moment: what it holds and what it recorded.
+pub(crate) struct MemoryState {
+    pub name: rustws_core::error::Name,
+    pub id: u64,
+    pub device: &'static str,
+    pub ordinal: usize,
+    pub config: WorkspaceConfiguration,
+    pub segments: Vec<Segment>,
+    pub events: Vec<Event>,
+    pub dropped: u64,
+}
+
+/// Every live workspace's memory now (each copied under its lock, one at a time); `None` where
+/// the system had no room for the copy. The caller holds no workspace's lock.
+pub(crate) fn memory_states() -> Option<Vec<MemoryState>> {
+    let all = listed()?;
+    let mut out = Vec::new();
+    out.try_reserve(all.len()).ok()?;
+    for (shared, device, ordinal) in all {
+        let ws = shared.lock();
+        let segments = ws.segments()?;
+        let (events, dropped) = ws.recorder().events()?;
+        let config = ws.config().clone();
+        drop(ws);
+        out.push(MemoryState {
+            name: shared.name.clone(),
+            id: shared.id,
+            device,
+            ordinal,
+            config,
+            segments,
+            events,
+            dropped,
+        });
+    }
+    Some(out)
+}
+
+/// Whether a refusal of a captured request copies every workspace's memory as it is then.
+static FREEZE_AT_REFUSALS: AtomicBool = AtomicBool::new(false);
+
+/// The memory at the last such refusal: the workspace's name, the bytes refused, the states.
+type Frozen = (rustws_core::error::Name, u64, Vec<MemoryState>);
+static FROZEN: Mutex<Option<Frozen>> = Mutex::new(None);
+
+/// Copies every workspace's memory at refusals of captured requests from now on (or stops).
+pub(crate) fn freeze_at_refusals(on: bool) {
+    FREEZE_AT_REFUSALS.store(on, Ordering::Relaxed);
+    if !on {
+        *FROZEN.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+/// Keeps the memory of every workspace as it is at a refusal of `requested` bytes by the
+/// workspace `name` (nothing where the system has no room for the copy). Called where NumPy's
+/// handler refuses, with no workspace's lock held: the refusal reaches Python only at the cycle's
+/// end, when what was live at the refusal may be gone.
+fn freeze(name: &rustws_core::error::Name, requested: u64) {
+    let states = memory_states();
+    *FROZEN.lock().unwrap_or_else(|e| e.into_inner()) = states.map(|s| (name.clone(), requested, s));
+}
+
+/// The memory kept at the refusal of `requested` bytes by the workspace `name`, if that is the
+/// last refusal kept (taken: each is reported once).
+pub(crate) fn take_frozen(name: &str, requested: u64) -> Option<Vec<MemoryState>> {
+    let mut frozen = FROZEN.lock().unwrap_or_else(|e| e.into_inner());
+    let matches = frozen.as_ref().is_some_and(|(n, r, _)| &**n == name && *r == requested);
+    if matches {
+        frozen.take().map(|(_, _, s)| s)
+    } else {
+        None
     }
 }
 

@@ -18,6 +18,10 @@ use pyo3::prelude::*;
 /// Frames kept of a stack, innermost first.
 const DEPTH: usize = 64;
 
+/// Distinct stacks numbered at most, until recording stops; allocations made at others are
+/// recorded without a stack.
+const MOST_STACKS: usize = 1 << 16;
+
 static ON: AtomicBool = AtomicBool::new(false);
 
 /// A stack: each frame's code object (its address) and the byte offset of its instruction.
@@ -41,9 +45,17 @@ struct Table {
 
 static TABLE: Mutex<Option<Table>> = Mutex::new(None);
 
-/// Records stacks from now on (or stops). Numbers given out stay valid.
+/// Records stacks from now on (or stops). Numbers given out stay valid until [`clear`].
 pub(crate) fn set(on: bool) {
     ON.store(on, Ordering::Relaxed);
+}
+
+/// Forgets every stack (the histories that numbered them were dropped) and the code objects
+/// they kept alive.
+pub(crate) fn clear() {
+    let dropped = TABLE.lock().unwrap_or_else(|e| e.into_inner()).take();
+    // The code objects go with the GIL held (the caller's), after the lock.
+    drop(dropped);
 }
 
 pub(crate) fn is_on() -> bool {
@@ -71,6 +83,10 @@ fn capture() -> Option<u32> {
     key.try_reserve_exact(DEPTH).ok()?;
     let mut codes: Vec<Bound<'_, PyAny>> = Vec::new();
     codes.try_reserve_exact(DEPTH).ok()?;
+    // An exception the caller has set stays set: it is put aside while the frames are read.
+    let (mut kind, mut value, mut trace) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: GIL held; takes the error indicator's references, restored below.
+    unsafe { ffi::PyErr_Fetch(&mut kind, &mut value, &mut trace) };
     // SAFETY: GIL held; returns whether the collector was enabled.
     let collecting = unsafe { ffi::PyGC_Disable() } != 0;
     // SAFETY: GIL held; a borrowed reference (or NULL), made a strong one here.
@@ -98,21 +114,31 @@ fn capture() -> Option<u32> {
         // SAFETY: GIL held; the collector goes back on as it was.
         unsafe { ffi::PyGC_Enable() };
     }
-    // SAFETY: GIL held; an error left by a failed attribute read is not the caller's.
-    unsafe { ffi::PyErr_Clear() };
+    // SAFETY: GIL held; an error the reads left is dropped, and the caller's is put back with the
+    // references taken above.
+    unsafe {
+        ffi::PyErr_Clear();
+        ffi::PyErr_Restore(kind, value, trace);
+    }
     let mut table = TABLE.lock().unwrap_or_else(|e| e.into_inner());
     let table = table.get_or_insert_with(Table::default);
     if let Some(&id) = table.ids.get(&key) {
         return Some(id);
     }
+    if table.stacks.len() >= MOST_STACKS {
+        return None;
+    }
     let id = u32::try_from(table.stacks.len() + 1).ok()?;
     table.ids.try_reserve(1).ok()?;
     table.stacks.try_reserve(1).ok()?;
     table.code.try_reserve(codes.len()).ok()?;
+    let mut copy = Key::new();
+    copy.try_reserve_exact(key.len()).ok()?;
+    copy.extend_from_slice(&key);
     for c in codes {
         table.code.entry(c.as_ptr() as usize).or_insert_with(|| c.unbind());
     }
-    table.stacks.push(key.clone());
+    table.stacks.push(copy);
     table.ids.insert(key, id);
     Some(id)
 }

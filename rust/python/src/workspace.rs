@@ -19,7 +19,6 @@ use crate::devarray::{self, DeviceSide};
 use crate::device::{reclaim, DeviceBuffer, Source};
 use crate::errors::{self, to_py};
 use crate::handler;
-use crate::memory;
 use crate::shared::Shared;
 use crate::state::CoreState;
 use crate::{arrays, cycles, scope};
@@ -172,7 +171,7 @@ impl WorkspaceCore {
         };
         let cycle_detector = ws.config().use_cycle_detector;
         let shared = Arc::new(Shared::new(ws));
-        if !memory::register(&shared, device, ordinal) {
+        if !crate::shared::list(&shared, device, ordinal) {
             return Err(errors::no_memory(py));
         }
         let capsule = handler::new_capsule(py, &shared)?;
