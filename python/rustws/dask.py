@@ -194,12 +194,17 @@ def format_workspace_stats(rows: list[dict[str, Any]]) -> str:
                 _fmt_bytes(r["rss_bytes"]),
             )
         )
+    return _table(cols, lines, "(no worker thread has a workspace yet)")
+
+
+def _table(cols: tuple[str, ...], lines: list[tuple[str, ...]], empty: str) -> str:
+    """Columns padded to their widest cell, under a header and a rule; ``empty`` without rows."""
     widths = [max([len(c)] + [len(v[i]) for v in lines]) for i, c in enumerate(cols)]
     out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
     out.append("  ".join("-" * w for w in widths))
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in lines]
     if not lines:
-        out.append("(no worker thread has a workspace yet)")
+        out.append(empty)
     return "\n".join(out)
 
 
@@ -276,13 +281,9 @@ def format_memory_report(rows: list[dict[str, Any]]) -> str:
         )
         for r in rows
     ]
-    widths = [max([len(c)] + [len(v[i]) for v in lines]) for i, c in enumerate(cols)]
-    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-    out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in lines]
-    if not lines:
-        out.append("(no worker recorded a cycle: start rustws.memory.record_history on the workers)")
-    return "\n".join(out)
+    return _table(
+        cols, lines, "(no worker recorded a cycle: start rustws.memory.record_history on the workers)"
+    )
 
 
 def print_workspace_stats(

@@ -6,15 +6,16 @@ mappings taken from the system and given back, refusals, cycle ends), with the P
 each allocation. ``snapshot()`` returns what every workspace holds now and what was recorded, as
 ``torch.cuda.memory._snapshot()`` does: ``segments`` (each with its ``blocks``) and
 ``device_traces`` (``alloc``, ``free_completed``, ``segment_alloc``, ``segment_free``, ``oom``,
-with ``frames``), for the live workspaces (a destroyed workspace's history goes with it). Host memory (arenas, blocks outside them, huge mappings) is one device, each CUDA
-device another; ``devices`` names them by index. ``dump_snapshot(path)`` writes the pickle that
+with ``frames``), for the live workspaces (a destroyed workspace's history goes with it). Host
+memory (arenas, blocks outside them, huge mappings) is one device, each CUDA device another;
+``devices`` names them by index. ``dump_snapshot(path)`` writes the pickle that
 https://pytorch.org/memory_viz and ``python -m torch.cuda._memory_viz`` read.
 
 Beyond PyTorch's schema, a snapshot carries ``cycles`` (one entry per recorded cycle end: its
-peak, spills, the mappings it made and the allocation sites that spilled) and trace entries
-carry ``workspace``, ``workspace_id`` (one name may be a workspace per thread), ``cycle`` and
-``kind``; viewers ignore what they do not know. The 64-byte
-header in front of each block is an inactive block of its own in ``segments``.
+peak, spills, the mappings it made and the allocation sites that spilled or grew the arena), and
+trace entries carry ``workspace``, ``workspace_id`` (one name may be a workspace per thread),
+``cycle`` and ``kind``; viewers ignore what they do not know. The 64-byte header in front of each
+block is an inactive block of its own in ``segments``.
 
 ``recommend(snapshot)`` replays the recorded cycles through the core's allocator and returns the
 configuration that would have served them without a spill, with the spills and footprint of
