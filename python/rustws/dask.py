@@ -113,22 +113,35 @@ class WorkspacePlugin(distributed.WorkerPlugin):
     annotated ``dask.annotate(executor="rustws")``.
 
     ``client.register_plugin(rustws.dask.WorkspacePlugin("TASK", cfg))``; workers that join later get
-    it too. Unregistering it (or closing the worker) restores the worker's own pool."""
+    it too. Unregistering it (or closing the worker) restores the worker's own pool. With
+    ``record_history=True`` each worker records its workspaces' history from the start
+    (``rustws.memory.record_history()``), for ``memory_report``."""
 
     idempotent = True
 
     def __init__(
-        self, name: str = "DEFAULT", config: WorkspaceConfiguration | None = None, *, every_task: bool = True
+        self,
+        name: str = "DEFAULT",
+        config: WorkspaceConfiguration | None = None,
+        *,
+        every_task: bool = True,
+        record_history: bool = False,
     ) -> None:
         self.workspace_name = _check_name(name)
         self.config = _check_config(config)
-        if not isinstance(every_task, bool):
-            raise TypeError(f"every_task must be a bool, got {type(every_task).__name__}")
+        for flag, value in (("every_task", every_task), ("record_history", record_history)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
         self.every_task = every_task
+        self.record_history = record_history
         self.name = f"rustws-{self.workspace_name}"
         self._original: dict[str, Executor] = {}
 
     def setup(self, worker: distributed.Worker) -> None:
+        if self.record_history:
+            from . import memory
+
+            memory.record_history(True)
         default = worker.executors["default"]
         if isinstance(default, _CycleThreadPoolExecutor):
             return

@@ -99,11 +99,9 @@ def test_the_decorator_under_dask(client):
 def test_memory_report_gathers_every_workers_snapshot_and_recommendation(client, tmp_path):
     from rustws import memory
 
-    client.run(memory.record_history, True)
     try:
-        client.register_plugin(
-            rustws.dask.WorkspacePlugin("RECORDED", rustws.WorkspaceConfiguration.adaptive())
-        )
+        cfg = rustws.WorkspaceConfiguration.adaptive()
+        client.register_plugin(rustws.dask.WorkspacePlugin("RECORDED", cfg, record_history=True))
         try:
             client.gather(client.map(task, range(40), pure=False))
             rows = rustws.dask.memory_report(client, snapshots=tmp_path)
@@ -114,6 +112,7 @@ def test_memory_report_gathers_every_workers_snapshot_and_recommendation(client,
     mine = [r for r in rows if r["workspace"] == "RECORDED"]
     assert mine and {r["worker"] for r in mine} <= set(client.scheduler_info()["workers"])
     assert sum(r["cycles"] for r in mine) == 40  # one cycle per task, every one recorded
+    assert len({(r["worker"], r["workspace_id"]) for r in mine}) == len(mine) <= 4, "a row per thread"
     for r in mine:
         assert r["recommended_spills"] == 0 and r["need_bytes"] >= 3 << 20
         assert r["configuration"].initial_size == r["need_bytes"]
@@ -127,5 +126,7 @@ def test_plugin_arguments_are_checked():
         rustws.dask.WorkspacePlugin(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="every_task"):
         rustws.dask.WorkspacePlugin("X", every_task="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="record_history"):
+        rustws.dask.WorkspacePlugin("X", record_history=1)  # type: ignore[arg-type]
     assert rustws.dask.format_workspace_stats([]).endswith("(no worker thread has a workspace yet)")
     assert rustws.dask.format_memory_report([]).endswith("on the workers)")
