@@ -13,7 +13,9 @@ _T = TypeVar("_T")
 
 __all__ = [
     "CONFIG_FIELDS",
+    "EVENT_ACTIONS",
     "HEADER_BYTES",
+    "SEGMENT_KINDS",
     "STATS_FIELDS",
     "Cycles",
     "DeviceArray",
@@ -61,16 +63,17 @@ CONFIG_FIELDS: tuple[str, ...]
 
 def parse_size(text: str) -> int: ...
 
-_Block = tuple[int, int, int, bool]
-_Segment = tuple[str, int, int, list[_Block]]
-_Event = tuple[str, int, int, int, int, int, int, int]
 _Outcome = tuple[int, int, int, int, int, int]
 
 def record_history(max_entries: int | None, stacks: bool) -> None: ...
 def recording_stacks() -> bool: ...
+
+EVENT_ACTIONS: tuple[str, ...]
+SEGMENT_KINDS: tuple[str, ...]
+
 def memory_state(
     refusal: tuple[str, int] | None = None,
-) -> list[tuple[str, int, str, int, dict[str, Any], list[_Segment], list[_Event], int]]: ...
+) -> list[tuple[str, int, str, int, tuple[Any, ...], bytes, bytes, bytes, int]]: ...
 def freeze_at_refusals(on: bool) -> None: ...
 def cycle_allocations(id: int, cycle: int) -> list[tuple[int, int, int]]: ...
 def stack_frames(stack: int) -> list[tuple[Any, int]]: ...

@@ -107,7 +107,30 @@ def snapshot() -> dict[str, Any]:
     return _snapshot(_rustws.memory_state())
 
 
-def _snapshot(state: list[Any]) -> dict[str, Any]:
+def _decode(packed: list[Any]) -> list[Any]:
+    """``_rustws.memory_state()``'s words as rows: ``(name, id, device, ordinal, configuration,
+    segments, events, dropped)``, a segment ``(kind, address, size, blocks)``, a block ``(address,
+    size, requested, pinned)``, an event ``(action, address, size, cycle, time_ns, stack, block
+    kind, extra)``."""
+    actions, kinds = _rustws.EVENT_ACTIONS, _rustws.SEGMENT_KINDS
+    rows = []
+    for name, wid, device, ordinal, values, seg_words, block_words, event_words, dropped in packed:
+        words = memoryview(block_words).cast("Q").tolist()
+        blocks = [(a, n, r, bool(p)) for a, n, r, p in zip(*[iter(words)] * 4, strict=True)]
+        words = memoryview(seg_words).cast("Q").tolist()
+        segs = [
+            (kinds[k], address, size, blocks[first : first + count])
+            for k, address, size, first, count in zip(*[iter(words)] * 5, strict=True)
+        ]
+        words = memoryview(event_words).cast("Q").tolist()
+        events = [(actions[e[0]], *e[1:]) for e in zip(*[iter(words)] * 8, strict=True)]
+        config = dict(zip(_rustws.CONFIG_FIELDS, values, strict=True))
+        rows.append((name, wid, device, ordinal, config, segs, events, dropped))
+    return rows
+
+
+def _snapshot(packed: list[Any]) -> dict[str, Any]:
+    state = _decode(packed)
     names = _device_names({(device, ordinal) for _, _, device, ordinal, *_ in state})
     index = {d: i for i, d in enumerate(names)}
     frames = _Frames()

@@ -150,8 +150,8 @@ KINDS = ["explicit", "captured", "resize", "cycle", "workspace", "loop", "decora
 EXTRAS = [128 << 10, 256 << 10, 512 << 10, 768 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
 
 
-def run(kind: str, extra: int, where: str) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+def run(kind: str, extra: int, where: str, **more_env: str) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **more_env}
     p = subprocess.run(
         [sys.executable, "-c", CHILD, kind, str(extra), where],
         capture_output=True,
@@ -169,6 +169,24 @@ def test_every_entry_point_refuses_with_memory_error_and_goes_on(kind, where):
         pytest.importorskip("distributed", reason="the Dask plugin's task needs dask's distributed")
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda extra: (extra, *run(kind, extra, where)), EXTRAS))
+    failures = []
+    for extra, rc, out in results:
+        clean = "RESULT MemoryError" in out or "RESULT WorkspaceOutOfMemory" in out
+        if rc != 0 or not clean:
+            failures.append(f"{extra >> 10} KiB: exit {rc}: {out[-600:]}")
+    assert not failures, f"{kind}: " + "\n".join(failures)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "captured", "loop"])
+def test_recording_and_oom_snapshots_stay_clean_where_memory_runs_out(kind, tmp_path):
+    """The same with every workspace recording its history with stacks, and a snapshot dumped at
+    each refusal (``RUSTWS_OOM_SNAPSHOT``): where the snapshot cannot be made, the error says so
+    in a note; the refusal is still a clean ``MemoryError``."""
+    path = str(tmp_path / "oom.pickle")
+    with ThreadPoolExecutor(2) as pool:
+        results = list(
+            pool.map(lambda extra: (extra, *run(kind, extra, "main", RUSTWS_OOM_SNAPSHOT=path)), EXTRAS)
+        )
     failures = []
     for extra, rc, out in results:
         clean = "RESULT MemoryError" in out or "RESULT WorkspaceOutOfMemory" in out

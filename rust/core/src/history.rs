@@ -34,6 +34,17 @@ pub enum Action {
 }
 
 impl Action {
+    /// Every action, in the order of their numbers (`action as u8`).
+    pub const ALL: [Action; 7] = [
+        Action::Alloc,
+        Action::Free,
+        Action::SegmentAlloc,
+        Action::SegmentFree,
+        Action::Oom,
+        Action::CycleOpen,
+        Action::CycleClose,
+    ];
+
     /// The name PyTorch's memory snapshots give the action (cycles have none there).
     pub fn name(self) -> &'static str {
         match self {
@@ -238,6 +249,7 @@ pub struct Segment {
 
 /// What a segment is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
 pub enum SegmentKind {
     /// The current arena region.
     Region,
@@ -250,6 +262,10 @@ pub enum SegmentKind {
 }
 
 impl SegmentKind {
+    /// Every kind, in the order of their numbers (`kind as u8`).
+    pub const ALL: [SegmentKind; 4] =
+        [SegmentKind::Region, SegmentKind::Retired, SegmentKind::External, SegmentKind::Huge];
+
     pub fn name(self) -> &'static str {
         match self {
             SegmentKind::Region => "arena",
@@ -276,6 +292,12 @@ pub struct LiveBlock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tables_of_actions_and_kinds_follow_their_numbers() {
+        assert!(Action::ALL.iter().enumerate().all(|(i, a)| *a as usize == i));
+        assert!(SegmentKind::ALL.iter().enumerate().all(|(i, k)| *k as usize == i));
+    }
 
     #[test]
     fn a_full_ring_drops_its_oldest_events() {

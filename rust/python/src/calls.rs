@@ -12,8 +12,12 @@ use pyo3::types::PyString;
 /// An argument of a call into Python.
 pub(crate) enum Arg<'a, 'py> {
     Int(u64),
+    Float(f64),
     Bool(bool),
+    None,
     Text(&'a str),
+    /// Native-endian 64-bit words, as `bytes`.
+    Words(&'a [u64]),
     Object(&'a Bound<'py, PyAny>),
 }
 
@@ -24,8 +28,19 @@ impl<'py> Arg<'_, 'py> {
             // SAFETY: plain constructors of the C API; each returns a new reference or NULL with an
             // exception set.
             Arg::Int(v) => unsafe { ffi::PyLong_FromUnsignedLongLong(*v) },
+            // SAFETY: as above.
+            Arg::Float(v) => unsafe { ffi::PyFloat_FromDouble(*v) },
             // SAFETY: as above (a new reference to `True` or `False`).
             Arg::Bool(b) => unsafe { ffi::PyBool_FromLong(*b as std::ffi::c_long) },
+            // SAFETY: `None` is immortal-or-counted; a new reference to it.
+            Arg::None => unsafe {
+                ffi::Py_IncRef(ffi::Py_None());
+                ffi::Py_None()
+            },
+            // SAFETY: as above; the words are valid for their length in bytes.
+            Arg::Words(w) => unsafe {
+                ffi::PyBytes_FromStringAndSize(w.as_ptr().cast(), std::mem::size_of_val(*w) as ffi::Py_ssize_t)
+            },
             // SAFETY: as above; `s` is valid UTF-8 of its length.
             Arg::Text(s) => unsafe { ffi::PyUnicode_FromStringAndSize(s.as_ptr().cast(), s.len() as ffi::Py_ssize_t) },
             Arg::Object(o) => return Ok((*o).clone()),
@@ -35,8 +50,8 @@ impl<'py> Arg<'_, 'py> {
     }
 }
 
-/// `f(*args)`.
-pub(crate) fn call<'py>(py: Python<'py>, f: &Bound<'py, PyAny>, args: &[Arg<'_, 'py>]) -> PyResult<Bound<'py, PyAny>> {
+/// A tuple of `args`, or Python's error.
+pub(crate) fn tuple<'py>(py: Python<'py>, args: &[Arg<'_, 'py>]) -> PyResult<Bound<'py, PyAny>> {
     // SAFETY: a new tuple of `args.len()` slots, or NULL with an exception set.
     let tuple = unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyTuple_New(args.len() as ffi::Py_ssize_t)) }?;
     for (i, a) in args.iter().enumerate() {
@@ -46,6 +61,27 @@ pub(crate) fn call<'py>(py: Python<'py>, f: &Bound<'py, PyAny>, args: &[Arg<'_, 
             return Err(PyErr::fetch(py));
         }
     }
+    Ok(tuple)
+}
+
+/// An empty list, or Python's error.
+pub(crate) fn list(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    // SAFETY: a new list, or NULL with an exception set.
+    unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyList_New(0)) }
+}
+
+/// Appends `item` to `list` (made by [`list`]), or Python's error.
+pub(crate) fn append(list: &Bound<'_, PyAny>, item: &Bound<'_, PyAny>) -> PyResult<()> {
+    // SAFETY: both are live objects, `list` a list; the item is not stolen.
+    if unsafe { ffi::PyList_Append(list.as_ptr(), item.as_ptr()) } != 0 {
+        return Err(PyErr::fetch(list.py()));
+    }
+    Ok(())
+}
+
+/// `f(*args)`.
+pub(crate) fn call<'py>(py: Python<'py>, f: &Bound<'py, PyAny>, args: &[Arg<'_, 'py>]) -> PyResult<Bound<'py, PyAny>> {
+    let tuple = tuple(py, args)?;
     // SAFETY: live objects; the result is a new reference or NULL with an exception set.
     unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyObject_Call(f.as_ptr(), tuple.as_ptr(), std::ptr::null_mut())) }
 }

@@ -190,6 +190,10 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // dataclasses follow them; a test checks).
     m.add("STATS_FIELDS", pyo3::types::PyTuple::new(m.py(), rustws_core::WorkspaceStats::FIELDS)?)?;
     m.add("CONFIG_FIELDS", pyo3::types::PyTuple::new(m.py(), rustws_core::WorkspaceConfiguration::FIELDS)?)?;
+    let actions = rustws_core::history::Action::ALL.map(rustws_core::history::Action::name);
+    m.add("EVENT_ACTIONS", pyo3::types::PyTuple::new(m.py(), actions)?)?;
+    let kinds = rustws_core::history::SegmentKind::ALL.map(rustws_core::history::SegmentKind::name);
+    m.add("SEGMENT_KINDS", pyo3::types::PyTuple::new(m.py(), kinds)?)?;
     m.add_class::<DeviceBuffer>()?;
     m.add_class::<scope::Scope>()?;
     m.add_class::<cycles::Cycles>()?;

@@ -4,11 +4,12 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
-use rustws_core::history::{Action, Event, Segment};
+use pyo3::types::{PyDict, PyString};
+use rustws_core::history::Action;
 use rustws_core::replay::{Outcome, Step};
 use rustws_core::WorkspaceConfiguration;
 
+use crate::calls::{self, Arg};
 use crate::config::{config_from_dict, config_to_dict};
 use crate::errors::{self, to_py};
 use crate::shared::{self, listed};
@@ -41,34 +42,110 @@ pub(crate) fn recording_stacks() -> bool {
     stacks::is_on()
 }
 
-type BlockRow = (usize, usize, usize, bool);
-type SegmentRow = (&'static str, usize, usize, Vec<BlockRow>);
-type EventRow = (&'static str, usize, usize, u64, u64, u32, u8, u64);
-type StateRow<'py> = (String, u64, &'static str, usize, Bound<'py, PyDict>, Vec<SegmentRow>, Vec<EventRow>, u64);
-
 /// Every live workspace now, or (`refusal`: a workspace's name and the bytes it refused) as it
-/// was at that refusal of a captured request where it was kept: `(name, id, device, ordinal,
-/// configuration, segments, events, dropped)`, where a segment is `(kind, address, size,
-/// blocks)`, a block `(address, size, requested, pinned)` and an event `(action, address, size,
-/// cycle, time_ns, stack, block kind, extra)`.
+/// was at that refusal of a captured request where it was kept. One tuple per workspace: `(name,
+/// id, device, ordinal, configuration, segments, blocks, events, dropped)`, the configuration
+/// its fields' values in the order of `CONFIG_FIELDS`, and the rest native-endian 64-bit words
+/// as `bytes`: 5 a segment (kind, address, size, first block, blocks), 4 a live block (address,
+/// size, requested, pinned), 8 an event (action, address, size, cycle, time_ns, stack, block
+/// kind, extra); kinds and actions number `SEGMENT_KINDS` and `EVENT_ACTIONS`.
+///
+/// Made where memory may have run out (a refusal's snapshot): every allocation on the way can
+/// fail, and a failure is Python's `MemoryError`.
 #[pyfunction]
 #[pyo3(signature = (refusal=None))]
-pub(crate) fn memory_state(py: Python<'_>, refusal: Option<(String, u64)>) -> PyResult<Vec<StateRow<'_>>> {
+pub(crate) fn memory_state<'py>(
+    py: Python<'py>,
+    refusal: Option<(Bound<'py, PyString>, u64)>,
+) -> PyResult<Bound<'py, PyAny>> {
     // What the core holds is copied under each lock; Python objects are made after (making them
     // may run the collector, which may free a workspace's arrays).
-    let kept = refusal.and_then(|(name, requested)| shared::take_frozen(&name, requested));
+    let kept = match &refusal {
+        Some((name, requested)) => shared::take_frozen(name.to_str()?, *requested),
+        None => None,
+    };
     let states = match kept {
         Some(states) => states,
         None => shared::memory_states().ok_or_else(|| errors::no_memory(py))?,
     };
-    let mut out = Vec::new();
-    for s in states {
-        let config = config_to_dict(py, &s.config)?;
-        let segments = s.segments.into_iter().map(segment_row).collect();
-        let events = s.events.into_iter().map(event_row).collect();
-        out.push((s.name.to_string(), s.id, s.device, s.ordinal, config, segments, events, s.dropped));
+    let out = calls::list(py)?;
+    for s in &states {
+        let (segments, blocks, events) = pack(s).ok_or_else(|| errors::no_memory(py))?;
+        let config = config_values(py, &s.config)?;
+        let row = calls::tuple(
+            py,
+            &[
+                Arg::Text(&s.name),
+                Arg::Int(s.id),
+                Arg::Text(s.device),
+                Arg::Int(s.ordinal as u64),
+                Arg::Object(&config),
+                Arg::Words(&segments),
+                Arg::Words(&blocks),
+                Arg::Words(&events),
+                Arg::Int(s.dropped),
+            ],
+        )?;
+        calls::append(&out, &row)?;
     }
     Ok(out)
+}
+
+/// A workspace's segments, blocks and events as words (see [`memory_state`]); `None` where the
+/// system had no room for them.
+fn pack(s: &shared::MemoryState) -> Option<(Vec<u64>, Vec<u64>, Vec<u64>)> {
+    let blocks_len = s.segments.iter().map(|g| g.blocks.len()).sum::<usize>();
+    let (mut segments, mut blocks, mut events) = (Vec::new(), Vec::new(), Vec::new());
+    segments.try_reserve_exact(5 * s.segments.len()).ok()?;
+    blocks.try_reserve_exact(4 * blocks_len).ok()?;
+    events.try_reserve_exact(8 * s.events.len()).ok()?;
+    for g in &s.segments {
+        let first = (blocks.len() / 4) as u64;
+        segments.extend([g.kind as u64, g.address as u64, g.size as u64, first, g.blocks.len() as u64]);
+        for b in &g.blocks {
+            blocks.extend([b.addr as u64, b.size as u64, b.requested as u64, u64::from(b.pinned)]);
+        }
+    }
+    for e in &s.events {
+        events.extend([
+            e.action as u64,
+            e.addr as u64,
+            e.size as u64,
+            e.cycle,
+            e.time_ns,
+            u64::from(e.context),
+            u64::from(e.kind),
+            e.extra,
+        ]);
+    }
+    Some((segments, blocks, events))
+}
+
+/// A configuration's values in the order of `WorkspaceConfiguration::FIELDS`, as a tuple.
+fn config_values<'py>(py: Python<'py>, c: &WorkspaceConfiguration) -> PyResult<Bound<'py, PyAny>> {
+    let path = c.temp_file_path.as_deref().and_then(|p| p.to_str());
+    calls::tuple(
+        py,
+        &[
+            Arg::Int(c.initial_size),
+            Arg::Int(c.min_size),
+            Arg::Int(c.max_size),
+            Arg::Float(c.overallocation_limit),
+            Arg::Int(c.cycles_before_initialization),
+            Arg::Text(c.policy_allocation.as_str()),
+            Arg::Text(c.policy_learning.as_str()),
+            Arg::Text(c.policy_spill.as_str()),
+            Arg::Text(c.policy_reset.as_str()),
+            Arg::Text(c.policy_mirroring.as_str()),
+            Arg::Text(c.policy_location.as_str()),
+            path.map_or(Arg::None, Arg::Text),
+            Arg::Int(c.temp_block_size),
+            Arg::Int(c.helper_min_size),
+            Arg::Bool(c.helper_allow_fallback),
+            Arg::Bool(c.use_cycle_detector),
+            Arg::Text(c.debug_mode.as_str()),
+        ],
+    )
 }
 
 /// Keeps every workspace's memory as it is at each refusal of a captured request from now on (for
@@ -88,20 +165,19 @@ pub(crate) fn cycle_allocations(py: Python<'_>, id: u64, cycle: u64) -> PyResult
     Ok(picked.into_iter().map(|e| (e.size, e.context, e.kind)).collect())
 }
 
-fn segment_row(s: Segment) -> SegmentRow {
-    let blocks = s.blocks.iter().map(|b| (b.addr, b.size, b.requested, b.pinned)).collect();
-    (s.kind.name(), s.address, s.size, blocks)
-}
-
-fn event_row(e: Event) -> EventRow {
-    (e.action.name(), e.addr, e.size, e.cycle, e.time_ns, e.context, e.kind, e.extra)
-}
-
-/// The frames of a recorded stack: `(code object, byte offset of its instruction)`, innermost
-/// first (`rustws.memory` finds the lines).
+/// The frames of a recorded stack: a list of `(code object, byte offset of its instruction)`,
+/// innermost first (`rustws.memory` finds the lines). Made where memory may have run out: a
+/// failure is Python's `MemoryError`.
 #[pyfunction]
-pub(crate) fn stack_frames(py: Python<'_>, stack: u32) -> Vec<(Py<PyAny>, i32)> {
-    stacks::frames(py, stack)
+pub(crate) fn stack_frames(py: Python<'_>, stack: u32) -> PyResult<Bound<'_, PyAny>> {
+    let frames = stacks::frames(py, stack).ok_or_else(|| errors::no_memory(py))?;
+    let out = calls::list(py)?;
+    for (code, lasti) in frames {
+        let code = code.into_bound(py);
+        let row = calls::tuple(py, &[Arg::Object(&code), Arg::Int(lasti.max(0) as u64)])?;
+        calls::append(&out, &row)?;
+    }
+    Ok(out)
 }
 
 /// A recorded loop's steps: `(0 open | 1 close | 2 alloc | 3 free, block, size)`.

@@ -327,7 +327,7 @@ pub(crate) fn memory_states() -> Option<Vec<MemoryState>> {
         let ws = shared.lock();
         let segments = ws.segments()?;
         let (events, dropped) = ws.recorder().events()?;
-        let config = ws.config().clone();
+        let config = try_clone(ws.config())?;
         drop(ws);
         out.push(MemoryState {
             name: shared.name.clone(),
@@ -341,6 +341,20 @@ pub(crate) fn memory_states() -> Option<Vec<MemoryState>> {
         });
     }
     Some(out)
+}
+
+/// A copy of a configuration, made where memory may have run out (`None`: no room for its path).
+fn try_clone(c: &WorkspaceConfiguration) -> Option<WorkspaceConfiguration> {
+    let path = match &c.temp_file_path {
+        Some(p) => {
+            let mut copy = std::ffi::OsString::new();
+            copy.try_reserve_exact(p.as_os_str().len()).ok()?;
+            copy.push(p.as_os_str());
+            Some(copy.into())
+        }
+        None => None,
+    };
+    Some(WorkspaceConfiguration { temp_file_path: path, ..*c })
 }
 
 /// Whether a refusal of a captured request copies every workspace's memory as it is then.

@@ -144,10 +144,13 @@ fn capture() -> Option<u32> {
 }
 
 /// The frames of stack `id` as `(code object, byte offset of its instruction)`, innermost first;
-/// empty for 0 or an unknown number.
-pub(crate) fn frames(py: Python<'_>, id: u32) -> Vec<(Py<PyAny>, i32)> {
+/// empty for 0 or an unknown number. `None` where the system had no room for the list.
+pub(crate) fn frames(py: Python<'_>, id: u32) -> Option<Vec<(Py<PyAny>, i32)>> {
     let table = TABLE.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(t) = table.as_ref() else { return Vec::new() };
-    let Some(stack) = id.checked_sub(1).and_then(|i| t.stacks.get(i as usize)) else { return Vec::new() };
-    stack.iter().filter_map(|(c, lasti)| t.code.get(c).map(|code| (code.clone_ref(py), *lasti))).collect()
+    let mut out = Vec::new();
+    let Some(t) = table.as_ref() else { return Some(out) };
+    let Some(stack) = id.checked_sub(1).and_then(|i| t.stacks.get(i as usize)) else { return Some(out) };
+    out.try_reserve_exact(stack.len()).ok()?;
+    out.extend(stack.iter().filter_map(|(c, lasti)| t.code.get(c).map(|code| (code.clone_ref(py), *lasti))));
+    Some(out)
 }
