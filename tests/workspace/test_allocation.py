@@ -116,3 +116,32 @@ def test_owner_follows_base_and_knows_foreign_arrays():
         a = ws.empty((4, 4))
     assert rustws.owner(a.T[1:]) is ws
     assert rustws.owner(a.reshape(16).view(np.int64)) is ws
+
+
+def test_explicit_arrays_take_every_shape_length_and_scalar_type_as_numpy_does():
+    """Shapes of more dimensions than a shape keeps inline, and dtypes given as NumPy scalar types
+    (read directly) or anything else (NumPy's converter), give what ``np.empty`` gives."""
+    ws = rustws.workspace("SHAPES")
+    for n in (0, 1, 7, 8, 9, 12, 64):
+        shape = tuple(3 if i < 4 else 1 for i in range(n))
+        assert ws.empty(shape, np.int8).shape == np.empty(shape, np.int8).shape
+        assert ws.zeros(list(shape), np.int8).shape == shape
+    for dt in (
+        np.float32,
+        np.int8,
+        np.bool_,
+        np.complex128,
+        np.str_,
+        np.bytes_,
+        np.void,
+        np.datetime64,
+        float,
+        int,
+        "f4",
+        np.dtype(">i4"),
+    ):
+        assert ws.empty((3, 2), dt).dtype == np.empty((3, 2), dt).dtype, dt
+    with pytest.raises(ValueError, match="more than 64"):
+        ws.empty((1,) * 65)
+    with pytest.raises(TypeError, match="holds Python objects"):
+        ws.empty(3, np.object_)

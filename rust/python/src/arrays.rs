@@ -32,28 +32,45 @@ fn not_a_shape(shape: &Bound<'_, PyAny>) -> PyErr {
 /// The most dimensions an array may have (NumPy 2's limit; NumPy 1 refuses more than 32 itself).
 const MAX_DIMS: usize = 64;
 
-/// A shape on the stack: allocation-free for the hot path.
+/// Dimensions a shape holds on the stack; more go to the heap (rare, and never on the hot path).
+const INLINE_DIMS: usize = 8;
+
+/// A shape: small, so that reading one and passing it on copies a few words, not NumPy's
+/// largest shape.
 pub(crate) struct Dims {
-    buf: [npy_intp; MAX_DIMS],
+    inline: [npy_intp; INLINE_DIMS],
     len: usize,
+    /// Every dimension, once there are more than `INLINE_DIMS`.
+    more: Vec<npy_intp>,
 }
 
 impl Dims {
     fn new() -> Self {
-        Dims { buf: [0; MAX_DIMS], len: 0 }
+        Dims { inline: [0; INLINE_DIMS], len: 0, more: Vec::new() }
     }
 
     fn push(&mut self, d: npy_intp) -> PyResult<()> {
         if self.len == MAX_DIMS {
             return Err(PyValueError::new_err(format!("shape has more than {MAX_DIMS} dimensions")));
         }
-        self.buf[self.len] = d;
+        if self.len < INLINE_DIMS {
+            self.inline[self.len] = d;
+        } else {
+            if self.more.is_empty() {
+                self.more.extend_from_slice(&self.inline);
+            }
+            self.more.push(d);
+        }
         self.len += 1;
         Ok(())
     }
 
     pub(crate) fn as_mut_slice(&mut self) -> &mut [npy_intp] {
-        &mut self.buf[..self.len]
+        if self.len > INLINE_DIMS {
+            &mut self.more
+        } else {
+            &mut self.inline[..self.len]
+        }
     }
 }
 
@@ -91,6 +108,30 @@ pub(crate) fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
     Ok(dims)
 }
 
+/// The descriptor of a NumPy scalar type (`np.float32` ...: the common `dtype=` argument) read
+/// directly, without NumPy's general converter; None for anything else (or if NumPy declines).
+fn scalar_type_descr<'py>(py: Python<'py>, d: &Bound<'py, PyAny>) -> Option<Bound<'py, PyArrayDescr>> {
+    // SAFETY: NumPy's API table is loaded (as for every array made here); type checks of live
+    // objects, `d` a type object where `PyType_IsSubtype` reads it.
+    let scalar = unsafe {
+        let generic = numpy::npyffi::get_type_object(py, numpy::npyffi::NpyTypes::PyGenericArrType_Type);
+        pyo3::ffi::PyType_Check(d.as_ptr()) != 0 && pyo3::ffi::PyType_IsSubtype(d.as_ptr().cast(), generic) != 0
+    };
+    if !scalar {
+        return None;
+    }
+    // SAFETY: `d` is a subtype of `np.generic`; the result is a new reference or NULL with an
+    // exception set.
+    let raw = unsafe { PY_ARRAY_API.PyArray_DescrFromTypeObject(py, d.as_ptr()) };
+    if raw.is_null() {
+        // NumPy's general converter says why, below.
+        PyErr::take(py);
+        return None;
+    }
+    // SAFETY: a new reference to a descriptor.
+    Some(unsafe { Bound::from_owned_ptr(py, raw.cast()).cast_into_unchecked() })
+}
+
 pub(crate) fn extract_descr<'py>(
     py: Python<'py>,
     dtype: Option<&Bound<'py, PyAny>>,
@@ -98,7 +139,10 @@ pub(crate) fn extract_descr<'py>(
     let descr = match dtype {
         None => numpy::dtype::<f64>(py),
         Some(d) if d.is_none() => numpy::dtype::<f64>(py),
-        Some(d) => PyArrayDescr::new(py, d)?,
+        Some(d) => match scalar_type_descr(py, d) {
+            Some(descr) => descr,
+            None => PyArrayDescr::new(py, d)?,
+        },
     };
     refuse_objects(&descr)?;
     Ok(descr)
