@@ -499,7 +499,8 @@ def _report_refusals(refusals: list[BaseException]) -> None:
     if isinstance(exc, MemoryError) and not isinstance(exc, WorkspaceOutOfMemory):
         notes = getattr(exc, "__notes__", ())
         for refusal in refusals:
-            for note in (f"rustws: {refusal}", getattr(refusal, "verdict", None)):
+            # The refusal's own notes: its verdict, and where its memory snapshot went.
+            for note in (f"rustws: {refusal}", *getattr(refusal, "__notes__", ())):
                 if note and note not in notes:
                     exc.add_note(note)
     for refusal in refusals:

@@ -24,6 +24,7 @@ both. ``python -m rustws replay FILE`` prints the same for a dumped snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -333,10 +334,22 @@ def _cycles(workspace: str, wid: int, trace: list[dict[str, Any]]) -> list[dict[
 
 def dump_snapshot(path: str | os.PathLike[str]) -> None:
     """Writes ``snapshot()`` as a pickle: open it at https://pytorch.org/memory_viz, or with
-    ``python -m torch.cuda._memory_viz trace_plot PATH``."""
-    data = snapshot()
-    with open(os.fspath(path), "wb") as f:
-        pickle.dump(data, f)
+    ``python -m torch.cuda._memory_viz trace_plot PATH``. The file appears whole or not at all
+    (an earlier snapshot there stays until the new one is complete)."""
+    _write_atomically(os.fspath(path), pickle.dumps(snapshot()))
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """``data`` to ``path``, through a temporary file beside it renamed over it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def timeline(snap: dict[str, Any], device: str = "cpu") -> dict[str, list[int]]:
@@ -472,8 +485,7 @@ def _on_refusal(error: Any) -> None:
     error.memory_snapshot = snap
     for path in list(_OOM_PATH):
         try:
-            with open(path, "wb") as f:
-                pickle.dump(snap, f)
+            _write_atomically(path, pickle.dumps(snap))
             error.add_note(f"rustws: memory snapshot written to {path}")
         except Exception as e:  # as above
             error.add_note(f"rustws: no memory snapshot written to {path}: {e!r}")

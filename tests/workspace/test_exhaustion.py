@@ -106,6 +106,7 @@ CHILD = textwrap.dedent(
     keep = []
     step(0, keep)  # every path runs once before the limit, on the main thread
     outcome = []
+    notes = []
 
     def until_refused():
         try:
@@ -113,6 +114,7 @@ CHILD = textwrap.dedent(
                 step(i, keep)
         except MemoryError as e:
             outcome.append(type(e).__name__)
+            notes.extend(getattr(e, "__notes__", ()))
 
     # On a thread of its own, the first refusal is also the first time that thread meets rustws.
     go = threading.Event()
@@ -140,6 +142,7 @@ CHILD = textwrap.dedent(
             b = ws.empty(10_000)
             b[:] = k
             assert float(b.sum()) == 10_000.0 * k
+    print("NOTES", repr(notes))
     print("RESULT", refused)
     """
 )
@@ -180,16 +183,36 @@ def test_every_entry_point_refuses_with_memory_error_and_goes_on(kind, where):
 @pytest.mark.parametrize("kind", ["explicit", "captured", "loop"])
 def test_recording_and_oom_snapshots_stay_clean_where_memory_runs_out(kind, tmp_path):
     """The same with every workspace recording its history with stacks, and a snapshot dumped at
-    each refusal (``RUSTWS_OOM_SNAPSHOT``): where the snapshot cannot be made, the error says so
-    in a note; the refusal is still a clean ``MemoryError``."""
-    path = str(tmp_path / "oom.pickle")
+    each refusal (``RUSTWS_OOM_SNAPSHOT``): the refusal is still a clean ``MemoryError``; the error
+    the program sees says where its snapshot went or why none was written (the loop form's
+    refusal reaches no error of the program's: it is logged), and a snapshot written is whole, its
+    last event the refusal."""
+    import ast
+    import pickle
+
+    def one(extra: int) -> tuple[int, int, str, str]:
+        path = str(tmp_path / f"oom-{extra}.pickle")
+        return (extra, *run(kind, extra, "main", RUSTWS_OOM_SNAPSHOT=path), path)
+
     with ThreadPoolExecutor(2) as pool:
-        results = list(
-            pool.map(lambda extra: (extra, *run(kind, extra, "main", RUSTWS_OOM_SNAPSHOT=path)), EXTRAS)
-        )
+        results = list(pool.map(one, EXTRAS))
     failures = []
-    for extra, rc, out in results:
+    for extra, rc, out, path in results:
         clean = "RESULT MemoryError" in out or "RESULT WorkspaceOutOfMemory" in out
         if rc != 0 or not clean:
             failures.append(f"{extra >> 10} KiB: exit {rc}: {out[-600:]}")
+            continue
+        line = next(x for x in out.splitlines() if x.startswith("NOTES "))
+        notes = ast.literal_eval(line[len("NOTES ") :])
+        told = [n for n in notes if "memory snapshot" in n]
+        if kind != "loop" and not told:
+            failures.append(f"{extra >> 10} KiB: no note says where the snapshot went: {notes}")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                snap = pickle.load(f)
+            last = [e for t in snap["device_traces"] for e in t][-1:]
+            if not any(e["action"] == "oom" for t in snap["device_traces"] for e in t):
+                failures.append(f"{extra >> 10} KiB: a snapshot without the refusal: {last}")
+        elif any("written to" in n and "no memory snapshot" not in n for n in told):
+            failures.append(f"{extra >> 10} KiB: a note names a snapshot that is not there: {told}")
     assert not failures, f"{kind}: " + "\n".join(failures)

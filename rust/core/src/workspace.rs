@@ -410,7 +410,9 @@ impl Workspace {
         let recorder = self.limit.recorder();
         // The caller's stack was for a block that is not coming.
         recorder.set_context(0);
-        if reason != REFUSED_ALIGNMENT && reason != REFUSED_NOT_OURS {
+        // Not for want of memory: a bad alignment, a pointer that is no block, a size that
+        // overflowed the caller's arithmetic.
+        if reason != REFUSED_ALIGNMENT && reason != REFUSED_NOT_OURS && requested != u64::MAX {
             recorder.record(Action::Oom, 0, requested as usize, 0, room as u64);
         }
         Error::OutOfMemory(Refusal {
@@ -482,8 +484,12 @@ impl Workspace {
             self.regions.drop_empty_current();
         }
         let id = self.regions.take_id();
-        let region = ArenaRegion::new(id, self.token, cap, self.limit.clone(), self.route.lists)
-            .map_err(|cause| self.system_refused(cap, cause))?;
+        // A region the system refuses is no refusal of a request (the cycle goes on outside the
+        // arena, and sizing is tried again): counted, not recorded.
+        let region = ArenaRegion::new(id, self.token, cap, self.limit.clone(), self.route.lists).map_err(|cause| {
+            self.accounts.failures += 1;
+            Error::system(&self.name, cap as u64, cause)
+        })?;
         // Pre-fault what cycles will touch again, so that a learned cycle takes no page faults;
         // the overallocation, and anything past the bounds, costs address space only. Deferred
         // to the next cycle: a workload that never has one (a whole program in one cycle) does

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use rustws_core::backend::FaultAdaptor;
 use rustws_core::history::{self, Action, Event, SegmentKind};
 use rustws_core::*;
 
@@ -193,4 +194,21 @@ fn a_ring_the_system_cannot_reserve_leaves_new_workspaces_unrecorded() {
     history::record_new_workspaces(None);
     let ws = made.expect("made, without recording");
     assert!(!ws.recorder().is_on());
+}
+
+#[test]
+fn an_arena_the_system_refuses_at_a_cycle_end_is_no_oom_event() {
+    // The first cycle's block is call 1; the arena the learner maps at its end, call 2, fails.
+    let faults = Arc::new(FaultAdaptor::fail_nth(Arc::new(AnonymousMemory), 2, libc::ENOMEM));
+    let mut ws = Workspace::with_backend("f", WorkspaceConfiguration::default(), faults.clone()).unwrap();
+    ws.record_history(Some(64)).unwrap();
+    ws.open_cycle().unwrap();
+    let p = ws.alloc(100 << 10).unwrap();
+    // SAFETY: live, freed once.
+    unsafe { ws.free(p) };
+    ws.close_cycle().unwrap();
+    assert_eq!(faults.injected(), 1, "the arena's mapping was refused");
+    assert_eq!(ws.stats().capacity_bytes, 0, "no arena yet: the next cycle end tries again");
+    let (events, _) = ws.recorder().events().unwrap();
+    assert!(events.iter().all(|e| e.action != Action::Oom), "no request was refused: {events:#?}");
 }

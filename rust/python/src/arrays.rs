@@ -57,6 +57,8 @@ impl Dims {
             self.inline[self.len] = d;
         } else {
             if self.more.is_empty() {
+                // Room for the most dimensions, once: nothing below reallocates.
+                self.more.try_reserve_exact(MAX_DIMS).map_err(|_| PyMemoryError::new_err(()))?;
                 self.more.extend_from_slice(&self.inline);
             }
             self.more.push(d);

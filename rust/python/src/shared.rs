@@ -382,7 +382,9 @@ fn freeze(name: &rustws_core::error::Name, requested: u64) {
 }
 
 /// The memory kept at the refusal of `requested` bytes by the workspace `name`, if that is the
-/// last refusal kept (taken: each is reported once).
+/// last refusal kept (taken: each is reported once). Only the last is kept, and it is known by
+/// name and size: a refusal reported later than another of the same workspace and size may be
+/// shown the other's memory.
 pub(crate) fn take_frozen(name: &str, requested: u64) -> Option<Vec<MemoryState>> {
     let mut frozen = FROZEN.lock().unwrap_or_else(|e| e.into_inner());
     let matches = frozen.as_ref().is_some_and(|(n, r, _)| &**n == name && *r == requested);
