@@ -281,9 +281,12 @@ pub(crate) fn like_array<'py>(
     if descr.has_object() || !(c || f) {
         return Ok(None);
     }
-    let mut dims: Vec<npy_intp> = a.shape().iter().map(|&d| d as npy_intp).collect();
+    let mut dims = Dims::new();
+    for &d in a.shape() {
+        dims.push(d as npy_intp)?;
+    }
     let fortran = std::ffi::c_int::from(f && !c);
-    make_array(py, shared, capsule, bypass, &mut dims, descr, fortran, zeroed).map(Some)
+    make_array(py, shared, capsule, bypass, dims.as_mut_slice(), descr, fortran, zeroed).map(Some)
 }
 
 /// A new ndarray of `dims` and `descr` (Fortran order when `fortran` is 1) over memory of the
