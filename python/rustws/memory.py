@@ -681,7 +681,7 @@ def recommend(
     return Recommendation(
         workspace=name,
         workspace_id=wid,
-        configuration=WorkspaceConfiguration.from_dict(made),
+        configuration=WorkspaceConfiguration.from_dict(dict(zip(_rustws.CONFIG_FIELDS, made, strict=True))),
         outcome=ReplayOutcome(*outcome),
         recorded=ReplayOutcome(*recorded),
         need_bytes=need,

@@ -564,14 +564,14 @@ impl Workspace {
             if self.regions.has_pending_prefault() {
                 self.prefault_now();
             }
-            if self.recording {
-                self.limit.recorder().set_cycle(self.cycles.completed);
-            }
         }
         if self.recording {
             // Every open, overlapping ones too: each has its close.
-            let live = (self.accounts.used + self.accounts.external) as usize;
-            self.limit.recorder().record(Action::CycleOpen, 0, live, 0, 0);
+            let r = self.limit.recorder();
+            if self.cycles.active == 0 {
+                r.set_cycle(self.cycles.completed);
+            }
+            r.record(Action::CycleOpen, 0, (self.accounts.used + self.accounts.external) as usize, 0, 0);
         }
         self.cycles.active += 1;
         Ok(())

@@ -369,12 +369,8 @@ fn new_array_direct<'py>(
             )
         })?;
     }
-    let context = crate::stacks::context();
     let data = {
-        let mut ws = shared.lock();
-        if context != 0 {
-            ws.recorder().set_context(context);
-        }
+        let mut ws = shared.lock_allocating();
         if zeroed {
             ws.alloc_zeroed(nbytes.max(1))
         } else {

@@ -113,31 +113,6 @@ pub(crate) fn config_from_dict(d: &Bound<'_, PyDict>) -> PyResult<WorkspaceConfi
     Ok(c)
 }
 
-/// A core configuration as a dict of the contract's fields: sizes as ints, policies as their
-/// names, the path as a string or None.
-pub(crate) fn config_to_dict<'py>(py: Python<'py>, c: &WorkspaceConfiguration) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("initial_size", c.initial_size)?;
-    d.set_item("min_size", c.min_size)?;
-    d.set_item("max_size", c.max_size)?;
-    d.set_item("overallocation_limit", c.overallocation_limit)?;
-    d.set_item("cycles_before_initialization", c.cycles_before_initialization)?;
-    d.set_item("policy_allocation", c.policy_allocation.as_str())?;
-    d.set_item("policy_learning", c.policy_learning.as_str())?;
-    d.set_item("policy_spill", c.policy_spill.as_str())?;
-    d.set_item("policy_reset", c.policy_reset.as_str())?;
-    d.set_item("policy_mirroring", c.policy_mirroring.as_str())?;
-    d.set_item("policy_location", c.policy_location.as_str())?;
-    d.set_item("temp_file_path", c.temp_file_path.as_ref().map(|p| p.to_string_lossy().into_owned()))?;
-    d.set_item("temp_block_size", c.temp_block_size)?;
-    d.set_item("helper_min_size", c.helper_min_size)?;
-    d.set_item("helper_allow_fallback", c.helper_allow_fallback)?;
-    d.set_item("use_cycle_detector", c.use_cycle_detector)?;
-    d.set_item("debug_mode", c.debug_mode.as_str())?;
-    debug_assert_eq!(d.len(), FIELDS.len());
-    Ok(d)
-}
-
 fn py_fspath(v: &Bound<'_, PyAny>) -> PyResult<String> {
     let os = v.py().import("os")?.call_method1("fspath", (v,)).map_err(|_| {
         PyTypeError::new_err(format!(

@@ -132,14 +132,7 @@ pub(crate) fn alloc_aligned(memory: &Memory, nbytes: usize) -> Result<(NonNull<u
         p.settle(false);
     }
     // A destroyed workspace serves outside its accounts (the core decides).
-    let context = crate::stacks::context();
-    let attempt = || {
-        let mut ws = shared.lock();
-        if context != 0 {
-            ws.recorder().set_context(context);
-        }
-        ws.alloc_aligned(nbytes.max(1), DEVICE_ALIGN)
-    };
+    let attempt = || shared.lock_allocating().alloc_aligned(nbytes.max(1), DEVICE_ALIGN);
     let raw = match attempt() {
         Ok(raw) => raw,
         Err(e) => match &memory.pending {

@@ -182,14 +182,10 @@ unsafe fn realloc_if_ours(
     stays: bool,
     out: *const PyDataMemHandler,
 ) -> Option<*mut c_void> {
-    let context = crate::stacks::context();
-    let mut ws = shared.lock();
+    let mut ws = shared.lock_allocating();
     // SAFETY: the caller's guarantee.
     let info = unsafe { ws.find_block(p) }?;
     if stays {
-        if context != 0 {
-            ws.recorder().set_context(context);
-        }
         // SAFETY: a live block of this workspace, given up on success.
         let r = unsafe { ws.realloc(p, new_size) };
         drop(ws);

@@ -10,7 +10,7 @@ use rustws_core::replay::{Outcome, Step};
 use rustws_core::WorkspaceConfiguration;
 
 use crate::calls::{self, Arg};
-use crate::config::{config_from_dict, config_to_dict};
+use crate::config::config_from_dict;
 use crate::errors::{self, to_py};
 use crate::shared::{self, listed};
 use crate::stacks;
@@ -210,17 +210,18 @@ pub(crate) fn replay(py: Python<'_>, config: &Bound<'_, PyDict>, steps: Vec<(u8,
 }
 
 /// The configuration recommended for `steps` recorded under `config`: `(configuration, its
-/// outcome, the recorded configuration's outcome, the recorded need)`.
+/// outcome, the recorded configuration's outcome, the recorded need)`, the configuration its
+/// fields' values in the order of `CONFIG_FIELDS` (as `memory_state` gives them).
 #[pyfunction]
 #[allow(clippy::type_complexity)]
 pub(crate) fn recommend<'py>(
     py: Python<'py>,
     config: &Bound<'py, PyDict>,
     steps: Vec<(u8, u64, usize)>,
-) -> PyResult<(Bound<'py, PyDict>, OutcomeRow, OutcomeRow, usize)> {
+) -> PyResult<(Bound<'py, PyAny>, OutcomeRow, OutcomeRow, usize)> {
     let c = config_from_dict(config)?;
     let steps = self::steps(steps)?;
     let done = py.detach(|| rustws_core::replay::recommend(&c, &steps));
     let r = done.map_err(|e| to_py(py, e))?;
-    Ok((config_to_dict(py, &r.config)?, outcome_row(r.outcome), outcome_row(r.recorded), r.need))
+    Ok((config_values(py, &r.config)?, outcome_row(r.outcome), outcome_row(r.recorded), r.need))
 }

@@ -87,6 +87,20 @@ impl Shared {
         self.workspace.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The workspace, locked for an allocation the calling Python code asks for: while stacks are
+    /// recorded, the caller's stack is read first (no lock held: reading it makes frame objects)
+    /// and the allocation is recorded with it; any stack left by an allocation that never came is
+    /// replaced.
+    pub fn lock_allocating(&self) -> MutexGuard<'_, Workspace> {
+        if !crate::stacks::is_on() {
+            return self.lock();
+        }
+        let context = crate::stacks::context();
+        let ws = self.lock();
+        ws.recorder().set_context(context);
+        ws
+    }
+
     /// Destroys the workspace: nothing opens a cycle or allocates from it any more, and its
     /// memory goes back but for the blocks still live, which go as they die.
     pub fn destroy(&self) {
@@ -157,12 +171,8 @@ impl Shared {
             // Device memory under a NumPy array would crash the first read.
             return self.refuse(Error::unavailable("a device workspace's memory cannot hold NumPy arrays"));
         }
-        let context = crate::stacks::context();
         let r = {
-            let mut ws = self.lock();
-            if context != 0 {
-                ws.recorder().set_context(context);
-            }
+            let mut ws = self.lock_allocating();
             if zeroed {
                 ws.alloc_zeroed(size)
             } else {
