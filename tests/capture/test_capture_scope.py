@@ -228,6 +228,65 @@ def test_leaving_the_loop_form_by_break_or_exception_closes_the_cycle():
     assert not ws.is_open and allocate() == (None, None)
 
 
+def _generated(items):
+    yield from items
+
+
+@pytest.mark.parametrize("kind", ["range", "list", "tuple", "generator"])
+def test_every_iterable_ends_and_reports_each_cycle_at_the_same_point(kind):
+    """A range, list or tuple makes its next item without running Python, and the boundary takes
+    it first; what a cycle's end reports (here: an array that outlived it) comes at the same point
+    for every iterable: before the next iteration's body."""
+    ws = rustws.workspace("EVERY", cfg(use_cycle_detector=True))
+    items = {"range": range(4), "list": [0, 1, 2, 3], "tuple": (0, 1, 2, 3), "generator": _generated(range(4))}[kind]
+    kept, seen = [], []
+    with pytest.warns(rustws.EscapedArrayWarning) as rec:
+        for i in ws.cycles(items):
+            seen.append((i, len(rec), ws.stats().cycles, rustws.owner(np.ones(BIG)) is ws))
+            if i % 2 == 0:
+                kept.append(np.ones(BIG))  # outlives the cycle: reported at its end
+    assert seen == [(0, 0, 0, True), (1, 1, 1, True), (2, 1, 2, True), (3, 2, 3, True)]
+    assert len(rec) == 2 and all("outlived cycle" in str(w.message) for w in rec)
+    assert ws.stats().cycles == 4 and not ws.is_open and allocate() == (None, None)
+    assert all(rustws.owner(a) is ws and (a == 1).all() for a in kept)
+
+
+def test_the_iterable_makes_its_items_outside_any_cycle():
+    ws = rustws.workspace("ITEMS", cfg())
+    made = []
+
+    def batches():
+        for _ in range(3):
+            made.append((rustws.current_workspace(), ws.depth))
+            yield np.ones(BIG)
+
+    for batch in ws.cycles(batches()):
+        assert rustws.owner(batch) is None and allocate() == (ws, ws)
+    assert made == [(None, 0)] * 3 and ws.stats().cycles == 3
+
+
+def test_the_loop_form_cannot_be_reentered_from_its_iterable():
+    """As a generator cannot be resumed from inside itself: the iterable (or code it runs) that
+    advances or closes the loop it feeds gets a ValueError, and the loop goes on unharmed."""
+    ws = rustws.workspace("REENTER", cfg())
+    loop = []
+    errors = []
+
+    def items():
+        for i in range(3):
+            if i == 1:
+                for action in (lambda: next(loop[0]), loop[0].close_loop):
+                    with pytest.raises(ValueError, match="already running") as e:
+                        action()
+                    errors.append(e.value)
+            yield i
+
+    loop.append(ws.cycles(items()))
+    assert list(loop[0]) == [0, 1, 2] and len(errors) == 2
+    assert ws.stats().cycles == 3 and not ws.is_open and allocate() == (None, None)
+    assert next(loop[0], "done") == "done"
+
+
 def test_the_loop_form_nests_in_an_open_cycle_of_another_workspace():
     outer = rustws.workspace("OUTER", cfg())
     inner = rustws.workspace("INNER", cfg())

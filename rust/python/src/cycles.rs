@@ -3,14 +3,20 @@
 //! loop over the workspace advanced in turn), as concurrent tasks' cycles are. Between two items
 //! the cycle ends, the iterable makes the next item outside any cycle, and the next cycle begins
 //! in the same scope, reopened in place wherever it lies in the stack: no scope is pushed or
-//! popped per item, and NumPy's context variable is only read. Leaving the loop (exhausting it,
+//! popped per item, and NumPy's context variable is only read. Where taking the next item runs
+//! no Python (a `range`, a list, a tuple), it is taken first, and the cycle's end and the next
+//! cycle's open take the workspace's lock once; the loop's own state is touched only under the
+//! GIL, so a boundary takes no other lock. Leaving the loop (exhausting it,
 //! `break`, an exception) closes the open cycle: `break` and exceptions drop the iterator, and
 //! dropping it closes it, on whatever thread it is dropped (a generator paused inside the loop
 //! and finalised elsewhere).
 
-use std::sync::{Arc, Mutex};
+use std::cell::UnsafeCell;
+use std::sync::Arc;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 
 use crate::scope;
 use crate::shared::ScopeState;
@@ -22,46 +28,177 @@ pub(crate) struct Cycles {
     ws: Py<PyAny>,
     core: Arc<CoreState>,
     items: Py<pyo3::types::PyIterator>,
-    /// Never held while Python runs (the iterable's next item, a report at a cycle end).
-    loop_state: Mutex<LoopState>,
+    loop_state: GilCell<LoopState>,
 }
+
+/// State touched only with the GIL held and never across a call into Python: the GIL orders
+/// every access, so an iteration boundary takes no lock (an uncontended lock and unlock cost as
+/// much as the rest of the boundary).
+struct GilCell<T>(UnsafeCell<T>);
+
+// SAFETY: the extension is built for the limited API, which free-threaded interpreters do not
+// load: every access goes through `with`, which needs the GIL (a `Python` token), so no two
+// threads touch the value at once; `with`'s closures call no Python, so no access nests.
+unsafe impl<T: Send> Sync for GilCell<T> {}
+
+impl<T> GilCell<T> {
+    fn new(value: T) -> Self {
+        GilCell(UnsafeCell::new(value))
+    }
+
+    /// Runs `f` on the value; `f` must not call into Python (which could re-enter).
+    #[inline]
+    fn with<R>(&self, _py: Python<'_>, f: impl FnOnce(&mut T) -> R) -> R {
+        // SAFETY: see the `Sync` impl: the GIL is held and no other access is in progress.
+        f(unsafe { &mut *self.0.get() })
+    }
+
+    fn get_mut(&mut self) -> &mut T {
+        self.0.get_mut()
+    }
+}
+
+/// What an iteration boundary returns: the item (or the error), then what the loop keeps.
+type Advanced = (PyResult<Option<Py<PyAny>>>, Option<Arc<ScopeState>>, bool, bool);
 
 #[derive(Default)]
 struct LoopState {
-    /// The loop's scope, from the first item on.
+    /// The loop's scope, from the first item on (taken out while an iteration boundary runs).
     scope: Option<Arc<ScopeState>>,
     /// Whether an iteration's cycle is open.
     open: bool,
     /// Whether the iterable is exhausted (or failed), or the loop was left.
     done: bool,
+    /// Whether `__next__` or `close_loop` is running (Python code they run, the iterable making
+    /// its next item or a report, cannot re-enter them: a generator raises the same way).
+    busy: bool,
 }
 
 impl Cycles {
     /// The loop over `iterable` of the workspace `ws`, whose state is `core`.
     pub(crate) fn new(ws: &Bound<'_, PyAny>, core: Arc<CoreState>, iterable: &Bound<'_, PyAny>) -> PyResult<Self> {
         let items = iterable.try_iter()?.unbind();
-        Ok(Cycles { ws: ws.clone().unbind(), core, items, loop_state: Mutex::new(LoopState::default()) })
+        Ok(Cycles { ws: ws.clone().unbind(), core, items, loop_state: GilCell::new(LoopState::default()) })
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, LoopState> {
-        self.loop_state.lock().unwrap_or_else(|e| e.into_inner())
+    /// Marks the loop busy and takes out its scope and whether a cycle is open; an error when
+    /// it already runs.
+    fn enter(&self, py: Python<'_>) -> PyResult<(Option<Arc<ScopeState>>, bool, bool)> {
+        let entered = self.loop_state.with(py, |s| {
+            if s.busy {
+                return None;
+            }
+            s.busy = true;
+            Some((s.scope.take(), std::mem::take(&mut s.open), s.done))
+        });
+        entered.ok_or_else(|| PyValueError::new_err("a workspace's cycles loop is already running"))
+    }
+
+    /// Puts back what `enter` took (and what the iteration made), and clears `busy`.
+    fn settle(&self, py: Python<'_>, scope: Option<Arc<ScopeState>>, open: bool, done: bool) {
+        self.loop_state.with(py, |s| {
+            s.scope = scope;
+            s.open = open;
+            s.done = done;
+            s.busy = false;
+        });
     }
 
     /// Leaves the loop: the open cycle closes (as a `with` exit), and the scope is forgotten.
-    fn leave(&self, py: Python<'_>, clean: bool) -> PyResult<()> {
-        let (scope, open) = {
-            let mut s = self.state();
-            s.done = true;
-            (s.scope.take(), std::mem::take(&mut s.open))
-        };
+    fn leave(&self, py: Python<'_>, scope: Option<Arc<ScopeState>>, open: bool, clean: bool) -> PyResult<()> {
         let Some(scope) = scope else { return Ok(()) };
         let ws = self.ws.bind(py);
-        let core = &self.core;
         if open {
-            return core.exit_state(py, ws, &scope, clean);
+            return self.core.exit_state(py, ws, &scope, clean);
         }
-        core.forget_scope(&scope);
+        self.core.forget_scope(&scope);
         Ok(())
+    }
+
+    /// One boundary: ends the open cycle, takes the next item, opens the next cycle. Returns the
+    /// item, and what the loop keeps: its scope, whether a cycle is open, whether it is done.
+    fn advance(&self, py: Python<'_>, scope: Option<Arc<ScopeState>>, open: bool) -> Advanced {
+        let ws = self.ws.bind(py);
+        let core = &self.core;
+        let scope = match scope {
+            Some(state) if open && self.next_runs_no_python(py) => return self.turn(py, state),
+            scope => scope,
+        };
+        if let (Some(state), true) = (&scope, open) {
+            if let Err(e) = core.end_iteration(py, ws, state) {
+                return (Err(e), scope, false, false);
+            }
+        }
+        let item = match self.items.bind(py).clone().next() {
+            Some(Ok(item)) => item,
+            None => return (self.leave(py, scope, false, true).map(|()| None), None, false, true),
+            Some(Err(e)) => return (self.leave(py, scope, false, false).and(Err(e)), None, false, true),
+        };
+        if let Some(state) = scope {
+            let reopened = scope::in_stack(py, &state).and_then(|here| core.begin_iteration(py, &state, here));
+            match reopened {
+                Ok(true) => return (Ok(Some(item.unbind())), Some(state), true, false),
+                // Something took the loop's scope out meanwhile: enter one anew.
+                Ok(false) => core.forget_scope(&state),
+                Err(e) => return (Err(e), Some(state), false, false),
+            }
+        }
+        match core.enter_scope(py, ws, false) {
+            Ok(state) => (Ok(Some(item.unbind())), Some(state), true, false),
+            Err(e) => (Err(e), None, false, false),
+        }
+    }
+
+    /// Whether taking the next item runs no Python code (and so allocates no array): the
+    /// iterable is a `range`, a list or a tuple.
+    fn next_runs_no_python(&self, py: Python<'_>) -> bool {
+        static PURE: PyOnceLock<[usize; 4]> = PyOnceLock::new();
+        let pure = PURE.get_or_init(py, || {
+            let kind = |obj: PyResult<Bound<'_, PyAny>>| {
+                obj.and_then(|o| o.try_iter()).map(|it| it.get_type().as_ptr() as usize).unwrap_or(0)
+            };
+            [
+                kind(pyo3::types::PyRange::new(py, 0, 1).map(Bound::into_any)),
+                kind(py.eval(c"range(1 << 80)", None, None)),
+                kind(Ok(pyo3::types::PyList::empty(py).into_any())),
+                kind(Ok(pyo3::types::PyTuple::empty(py).into_any())),
+            ]
+        });
+        // SAFETY: a live object's type, compared by address only.
+        let kind = unsafe { pyo3::ffi::Py_TYPE(self.items.as_ptr()) } as usize;
+        kind != 0 && pure.contains(&kind)
+    }
+
+    /// The boundary when taking the next item runs no Python: the item first, then the cycle
+    /// ends and the next one opens in the same scope under one lock of the workspace.
+    fn turn(&self, py: Python<'_>, state: Arc<ScopeState>) -> Advanced {
+        let ws = self.ws.bind(py);
+        let core = &self.core;
+        let item = match self.items.bind(py).clone().next() {
+            Some(Ok(item)) => item,
+            ended => {
+                // The last item: the cycle ends as it does after any iterable, then the loop.
+                if let Err(e) = core.end_iteration(py, ws, &state) {
+                    return (Err(e), Some(state), false, false);
+                }
+                return match ended {
+                    Some(Err(e)) => (self.leave(py, Some(state), false, false).and(Err(e)), None, false, true),
+                    _ => (self.leave(py, Some(state), false, true).map(|()| None), None, false, true),
+                };
+            }
+        };
+        match scope::in_stack(py, &state).and_then(|here| core.turn_iteration(py, ws, &state, here)) {
+            Ok(true) => (Ok(Some(item.unbind())), Some(state), true, false),
+            Ok(false) => {
+                // Something took the loop's scope out meanwhile: enter one anew.
+                core.forget_scope(&state);
+                match core.enter_scope(py, ws, false) {
+                    Ok(state) => (Ok(Some(item.unbind())), Some(state), true, false),
+                    Err(e) => (Err(e), None, false, false),
+                }
+            }
+            Err(e) => (Err(e), Some(state), false, false),
+        }
     }
 }
 
@@ -72,68 +209,37 @@ impl Cycles {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        let ending = {
-            let mut s = self.state();
-            if s.done {
-                return Ok(None);
-            }
-            if std::mem::take(&mut s.open) {
-                s.scope.clone()
-            } else {
-                None
-            }
-        };
-        let ws = self.ws.bind(py).clone();
-        let core = &self.core;
-        if let Some(scope) = ending {
-            core.end_iteration(py, &ws, &scope)?;
+        let (scope, open, done) = self.enter(py)?;
+        if done {
+            self.settle(py, scope, open, true);
+            return Ok(None);
         }
-        let item = match self.items.bind(py).clone().next() {
-            Some(Ok(item)) => item,
-            None => {
-                self.leave(py, true)?;
-                return Ok(None);
-            }
-            Some(Err(e)) => {
-                self.leave(py, false)?;
-                return Err(e);
-            }
-        };
-        let kept = self.state().scope.clone();
-        if let Some(scope) = kept {
-            let in_stack = scope::in_stack(py, &scope)?;
-            if core.begin_iteration(py, &scope, in_stack)? {
-                self.state().open = true;
-                return Ok(Some(item.unbind()));
-            }
-            // Something took the loop's scope out meanwhile: enter one anew.
-            core.forget_scope(&scope);
-            self.state().scope = None;
-        }
-        let scope = core.enter_scope(py, &ws, false)?;
-        let mut s = self.state();
-        s.scope = Some(scope);
-        s.open = true;
-        Ok(Some(item.unbind()))
+        let (result, scope, open, done) = self.advance(py, scope, open);
+        self.settle(py, scope, open, done);
+        result
     }
 
     /// Closes the open cycle now, as leaving the loop does.
     fn close_loop(&self, py: Python<'_>) -> PyResult<()> {
-        self.leave(py, true)
+        let (scope, open, _) = self.enter(py)?;
+        let left = self.leave(py, scope, open, true);
+        self.settle(py, None, false, true);
+        left
     }
 }
 
 impl Drop for Cycles {
     fn drop(&mut self) {
-        let s = self.loop_state.get_mut().unwrap_or_else(|e| e.into_inner());
-        if s.open || s.scope.is_some() {
+        let s = self.loop_state.get_mut();
+        let (scope, open) = (s.scope.take(), std::mem::take(&mut s.open));
+        if open || scope.is_some() {
             // SAFETY: a pyclass is dropped by its type's deallocator, with the GIL held, on whatever
             // thread drops the last reference.
             let py = unsafe { Python::assume_attached() };
             // A loop left by an exception drops its iterator while that exception propagates:
             // the cycle's end runs Python (reports), which must not take the exception's place.
             let propagating = PyErr::take(py);
-            if let Err(e) = self.leave(py, false) {
+            if let Err(e) = self.leave(py, scope, open, false) {
                 e.write_unraisable(py, None);
             }
             if let Some(e) = propagating {

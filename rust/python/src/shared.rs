@@ -9,10 +9,11 @@ use std::ffi::{c_char, c_void};
 use std::mem::ManuallyDrop;
 use std::ptr::{null_mut, NonNull};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::ffi;
 use rustws_core::history::{Event, Segment};
+use rustws_core::lock::{SpinGuard, SpinLock};
 use rustws_core::{BlockKind, DebugMode, Error, Workspace, WorkspaceConfiguration};
 
 /// A workspace as the bindings share it: the core behind one lock, plus what the handler
@@ -23,7 +24,9 @@ pub struct Shared {
     pub name: rustws_core::error::Name,
     /// Set with the core's own flag by [`Shared::destroy`], and read without the lock.
     destroyed: AtomicBool,
-    workspace: Mutex<Workspace>,
+    /// Taken by every captured allocation and free: one read-modify-write to lock, none to
+    /// unlock (see `rustws_core::lock`).
+    workspace: SpinLock<Workspace>,
     /// Requests refused while capturing, drained and reported by the Python layer.
     failures: Mutex<Vec<Error>>,
     /// Whether `failures` holds anything: read at every cycle exit without the lock.
@@ -74,7 +77,7 @@ impl Shared {
             id,
             name: workspace.name().into(),
             destroyed: AtomicBool::new(false),
-            workspace: Mutex::new(workspace),
+            workspace: SpinLock::new(workspace),
             failures: Mutex::new(Vec::new()),
             has_failures: AtomicBool::new(false),
             host_accessible,
@@ -83,15 +86,16 @@ impl Shared {
 
     /// The workspace; a panic while it was held leaves it usable (its counters are updated
     /// only after the operations they count succeed).
-    pub fn lock(&self) -> MutexGuard<'_, Workspace> {
-        self.workspace.lock().unwrap_or_else(|e| e.into_inner())
+    #[inline]
+    pub fn lock(&self) -> SpinGuard<'_, Workspace> {
+        self.workspace.lock()
     }
 
     /// The workspace, locked for an allocation the calling Python code asks for: while stacks are
     /// recorded, the caller's stack is read first (no lock held: reading it makes frame objects)
     /// and the allocation is recorded with it; any stack left by an allocation that never came is
     /// replaced.
-    pub fn lock_allocating(&self) -> MutexGuard<'_, Workspace> {
+    pub fn lock_allocating(&self) -> SpinGuard<'_, Workspace> {
         if !crate::stacks::is_on() {
             return self.lock();
         }
@@ -271,6 +275,12 @@ impl ScopeState {
     /// Closes it; returns whether it was open.
     pub fn close(&self) -> bool {
         self.open.swap(false, Ordering::Relaxed)
+    }
+
+    /// Closes it where it is known to be open and only this thread changes it (the loop form's
+    /// end of an iteration): a plain store, not the read-modify-write of [`ScopeState::close`].
+    pub fn set_closed(&self) {
+        self.open.store(false, Ordering::Relaxed);
     }
 
     /// Opens it again (the loop form's next iteration, a `with` reopening it in place), from the

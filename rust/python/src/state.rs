@@ -105,7 +105,7 @@ impl CoreState {
     /// The loop form's end of an iteration: closes `state`'s cycle and leaves its node in place
     /// for the next iteration.
     pub(crate) fn end_iteration(&self, py: Python<'_>, me: &Bound<'_, PyAny>, state: &ScopeState) -> PyResult<()> {
-        state.close();
+        state.set_closed();
         self.end_level(py, me, state, true)
     }
 
@@ -140,6 +140,51 @@ impl CoreState {
         Ok(true)
     }
 
+    /// The loop form's boundary when its next item is already taken: ends `state`'s cycle and
+    /// opens the next one in place (false when its node is no longer in this stack, `in_stack`;
+    /// then the cycle has ended and a scope is entered anew). With nothing to report, the end
+    /// and the open take one lock of the workspace; otherwise they are `end_iteration` and
+    /// `begin_iteration`.
+    pub(crate) fn turn_iteration(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        state: &ScopeState,
+        in_stack: bool,
+    ) -> PyResult<bool> {
+        if !in_stack || !state.opened_cycle() || self.shared.is_destroyed() {
+            self.end_iteration(py, me, state)?;
+            return self.begin_iteration(py, state, in_stack);
+        }
+        state.set_closed();
+        let (ended, opened) = {
+            let mut ws = self.shared.lock();
+            let ended = ws.close_cycle();
+            let quiet = matches!(&ended, Ok(r) if !self.reports(r));
+            let opened = if quiet { Some(ws.open_cycle()) } else { None };
+            (ended, opened)
+        };
+        reclaim(py, &self.memory);
+        if let Some(opened) = opened {
+            opened.map_err(|e| to_py(py, e))?;
+            state.reopen(true);
+            return Ok(true);
+        }
+        let r = ended.map_err(|e| to_py(py, e))?;
+        self.after_cycle(py, me, r, true)?;
+        self.begin_iteration(py, state, true)
+    }
+
+    /// Whether a cycle's end has something to report: refused requests, or (with the cycle
+    /// detector) arrays that outlived it.
+    fn reports(&self, r: &rustws_core::CycleReport) -> bool {
+        self.shared.has_failures.load(Ordering::Relaxed) || self.leaked(r)
+    }
+
+    fn leaked(&self, r: &rustws_core::CycleReport) -> bool {
+        r.completed && r.escaped_blocks > 0 && self.cycle_detector
+    }
+
     /// Drops `state` from the open scopes (its node stays, closed, until settled).
     pub(crate) fn forget_scope(&self, state: &Arc<ScopeState>) {
         self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| !Arc::ptr_eq(s, state));
@@ -153,9 +198,8 @@ impl CoreState {
         r: rustws_core::CycleReport,
         clean: bool,
     ) -> PyResult<()> {
-        let failures = self.shared.has_failures.load(Ordering::Relaxed);
-        let leaked = r.completed && r.escaped_blocks > 0 && self.cycle_detector;
-        if failures || leaked {
+        let leaked = self.leaked(&r);
+        if leaked || self.shared.has_failures.load(Ordering::Relaxed) {
             let names = calls::names(py)?;
             let args = [Arg::Bool(leaked && clean), Arg::Int(r.escaped_blocks), Arg::Int(r.escaped_bytes)];
             calls::call_method(me, &names.after_cycle, &args)?;
