@@ -238,7 +238,8 @@ def test_every_iterable_ends_and_reports_each_cycle_at_the_same_point(kind):
     it first; what a cycle's end reports (here: an array that outlived it) comes at the same point
     for every iterable: before the next iteration's body."""
     ws = rustws.workspace("EVERY", cfg(use_cycle_detector=True))
-    items = {"range": range(4), "list": [0, 1, 2, 3], "tuple": (0, 1, 2, 3), "generator": _generated(range(4))}[kind]
+    wrap = {"range": lambda r: r, "list": list, "tuple": tuple, "generator": _generated}[kind]
+    items = wrap(range(4))
     kept, seen = [], []
     with pytest.warns(rustws.EscapedArrayWarning) as rec:
         for i in ws.cycles(items):
