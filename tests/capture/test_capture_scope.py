@@ -288,6 +288,31 @@ def test_the_loop_form_cannot_be_reentered_from_its_iterable():
     assert next(loop[0], "done") == "done"
 
 
+def test_a_with_left_open_in_a_loop_ends_with_the_loops_cycle():
+    """A `with ws:` entered in a loop's body and still open when the loop is left (a generator
+    paused inside it) ended with the loop's cycle: a `with ws:` meanwhile opens a cycle of its own
+    instead of nesting in none, and the generator's exit only unwinds."""
+    ws = rustws.workspace("ORPHAN", cfg())
+
+    def paused():
+        with ws:
+            yield
+
+    g = paused()
+    loop = ws.cycles(range(3))
+    next(loop)
+    next(g)  # a level nested in the loop's cycle
+    assert ws.depth == 2
+    with pytest.warns(ResourceWarning, match="unlinked"):
+        loop.close_loop()
+    assert ws.depth == 0
+    with ws:
+        assert ws.depth == 1 and allocate() == (ws, ws)
+    g.close()
+    assert rustws.current_workspace() is None and allocate() == (None, None)
+    assert ws.stats().cycles == 2 and not ws.is_open
+
+
 def test_the_loop_form_nests_in_an_open_cycle_of_another_workspace():
     outer = rustws.workspace("OUTER", cfg())
     inner = rustws.workspace("INNER", cfg())

@@ -1,8 +1,10 @@
 """A hypothesis state machine over workspace scopes: nested enter / exit in any order the API
-allows, explicit and captured allocations filled with a pattern, escapes, views, detach, leverage
-and destroy. The invariant: every array still referenced holds its pattern (no memory is handed out
-twice), and a scope that exits out of order is unlinked (with a ResourceWarning) while every other scope
-stays as it was, NumPy's handler always the innermost workspace's."""
+allows, loops in the loop form (over a range, a list or a generator: advanced, exhausted, left by
+`break` or closed out of order), explicit and captured allocations filled with a pattern, escapes,
+views, detach, leverage and destroy. The invariant: every array still referenced holds its
+pattern (no memory is handed out twice), and a scope that exits out of order is unlinked (with a
+ResourceWarning) while every other scope stays as it was, NumPy's handler always the innermost
+workspace's."""
 
 from __future__ import annotations
 
@@ -37,6 +39,20 @@ NAMES = sorted(CONFIGS)
 sizes = st.sampled_from([1, 7, 64, 1000, 4096, 20_000, 70_000])
 
 
+class Loop:
+    """A loop in the loop form the machine is inside: its iterator and the items it has left."""
+
+    def __init__(self, ws: rustws.Workspace, kind: str, length: int) -> None:
+        items = {
+            "range": range(length),
+            "list": list(range(length)),
+            "generator": (i for i in range(length)),
+        }[kind]
+        self.ws = ws
+        self.it = ws.cycles(items)
+        self.left = length
+
+
 class ScopeMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -47,6 +63,14 @@ class ScopeMachine(RuleBasedStateMachine):
 
     def ws(self, name: str) -> rustws.Workspace:
         return rustws.workspace(name, CONFIGS[name])
+
+    @staticmethod
+    def of(entry: rustws.Workspace | Loop) -> rustws.Workspace:
+        return entry.ws if isinstance(entry, Loop) else entry
+
+    def top(self) -> rustws.Workspace | None:
+        """The workspace of the innermost scope the machine is in (a `with` or a loop)."""
+        return self.of(self.stack[-1]) if self.stack else None
 
     def pattern(self) -> int:
         self.counter = (self.counter + 1) % 251
@@ -60,34 +84,102 @@ class ScopeMachine(RuleBasedStateMachine):
         ws.__enter__()
         self.stack.append(ws)
 
+    @rule(
+        name=st.sampled_from(NAMES),
+        kind=st.sampled_from(["range", "list", "generator"]),
+        n=st.integers(1, 4),
+    )
+    def start_loop(self, name, kind, n):
+        if len(self.stack) >= 6:
+            return
+        loop = Loop(self.ws(name), kind, n)
+        depth = loop.ws.depth
+        assert next(loop.it) == 0
+        loop.left -= 1
+        assert loop.ws.depth == depth + 1
+        self.stack.append(loop)
+
+    @precondition(lambda self: self.stack and isinstance(self.stack[-1], Loop))
+    @rule()
+    def advance_loop(self):
+        """The next iteration: a cycle boundary, or the end of the loop (then it leaves)."""
+        loop = self.stack[-1]
+        ws = loop.ws
+        depth, cycles = ws.depth, ws.stats().cycles
+        try:
+            item = next(loop.it)
+        except rustws.WorkspaceClosedError:
+            # Destroyed meanwhile: no cycle opens; the loop ends as `for` ends it, dropping it.
+            assert ws.is_destroyed
+            self.stack.pop()
+            del loop
+            return
+        except StopIteration:
+            assert loop.left == 0
+            self.stack.pop()
+            if not ws.is_destroyed:
+                # Less a level; or more (see `exit_innermost`).
+                assert ws.depth < depth and ws.stats().cycles == cycles + 1
+            return
+        assert item == 0 or loop.left > 0
+        loop.left -= 1
+        if not ws.is_destroyed:
+            # As deep; or less, when this cycle was the last one open and levels nested in a cycle
+            # that ended under them (see `exit_innermost`) ended with it.
+            assert ws.depth <= depth and ws.stats().cycles == cycles + 1
+
     @precondition(lambda self: self.stack)
     @rule()
     def exit_innermost(self):
-        ws = self.stack.pop()
+        top = self.stack.pop()
+        ws = top.ws if isinstance(top, Loop) else top
         depth = ws.depth
-        ws.__exit__(None, None, None)  # a destroyed workspace's scope still unwinds
+        if isinstance(top, Loop):
+            top.it.close_loop()  # as `break` does (dropping the iterator)
+        else:
+            ws.__exit__(None, None, None)  # a destroyed workspace's scope still unwinds
         if not ws.is_destroyed:
-            assert ws.depth == depth - 1
+            # One level less; or more: levels nested in a cycle that ends end with it. 0 already:
+            # a `with` nested in a loop's cycle that ended under it (closed out of order) ended
+            # with that cycle, and its exit only unwinds.
+            assert ws.depth < depth or depth == 0
 
     @precondition(lambda self: len(self.stack) >= 2)
     @rule(data=st.data())
     def exit_out_of_order_unlinks(self, data):
         i = data.draw(st.integers(0, len(self.stack) - 2))
-        ws = self.stack[i]
-        if ws is self.stack[-1]:
+        entry = self.stack[i]
+        if entry is self.stack[-1]:
             return
-        j = max(k for k, w in enumerate(self.stack) if w is ws)  # its innermost scope goes
-        depth = ws.depth
-        with pytest.warns(ResourceWarning, match="unlinked"):
-            ws.__exit__(None, None, None)
+        if isinstance(entry, Loop):
+            # A loop closed (its iterator dropped) while scopes opened in its body are still open.
+            ws, j = entry.ws, i
+            depth = ws.depth
+            with pytest.warns(ResourceWarning, match="unlinked"):
+                entry.it.close_loop()
+        else:
+            ws = entry
+            # Its innermost scope goes: a loop's, when a loop over it is the innermost.
+            j = max(k for k, e in enumerate(self.stack) if self.of(e) is ws)
+            if isinstance(self.stack[j], Loop):
+                return
+            depth = ws.depth
+            with pytest.warns(ResourceWarning, match="unlinked"):
+                ws.__exit__(None, None, None)
         del self.stack[j]
         if not ws.is_destroyed:
-            assert ws.depth == depth - 1
+            if isinstance(entry, Loop):
+                # `with` scopes of the workspace nested in the loop's cycle end with it when no
+                # other cycle of the workspace stays open.
+                others = any(self.of(e) is ws for e in self.stack)
+                assert ws.depth < depth and (others or ws.depth == 0)
+            else:
+                assert ws.depth < depth or depth == 0  # see `exit_innermost`
 
     @precondition(lambda self: self.stack)
     @rule(n=sizes)
     def allocate_explicit(self, n):
-        ws = self.stack[-1]
+        ws = self.top()
         p = self.pattern()
         try:
             a = ws.empty(n, np.uint8)
@@ -159,7 +251,7 @@ class ScopeMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_innermost_scope_is_current(self):
-        top = self.stack[-1] if self.stack else None
+        top = self.top()
         assert rustws.current_workspace() is top
         if top is not None and top.debug_mode_name != "BYPASS_EVERYTHING":
             assert handler_name() == f"rustws:{top.id}:{top.name}", "NumPy's handler is not the innermost's"

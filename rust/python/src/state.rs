@@ -59,11 +59,16 @@ impl CoreState {
     /// cycle. The loop form always opens a cycle of its own: each iteration is one.
     pub(crate) fn enter_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>, nests: bool) -> PyResult<Arc<ScopeState>> {
         let task = scope::current_task(py);
-        let nested = nests && scope::is_open_here(py, me, task)?;
+        let open_here = nests && scope::is_open_here(py, me, task)?;
         // The guard is dropped before any Python runs: building an exception can run the GC,
-        // which may free this workspace's arrays and take the lock again.
-        let entered = if nested { self.shared.lock().nest() } else { self.shared.lock().open_cycle() };
-        entered.map_err(|e| to_py(py, e))?;
+        // which may free this workspace's arrays and take the lock again. A scope open here whose
+        // cycle ended under it (see `end_level`) has nothing to nest in: this one opens a cycle.
+        let entered = {
+            let mut ws = self.shared.lock();
+            let nested = open_here && ws.open_cycles() > 0;
+            if nested { ws.nest() } else { ws.open_cycle() }.map(|()| nested)
+        };
+        let nested = entered.map_err(|e| to_py(py, e))?;
         let undo = |e: PyErr| {
             let mut ws = self.shared.lock();
             let _ = if nested { ws.unnest() } else { ws.close_cycle().map(drop) };
@@ -120,7 +125,11 @@ impl CoreState {
             if state.opened_cycle() {
                 ws.close_cycle()
             } else {
-                ws.unnest().map(|()| rustws_core::CycleReport::default())
+                // A level with nothing to unnest ended with the cycle it nested in, which closed
+                // under it (a loop left while a `with` of the same workspace in its body was
+                // still open, which warned then): its exit only unwinds.
+                let _ = ws.unnest();
+                Ok(rustws_core::CycleReport::default())
             }
         };
         reclaim(py, &self.memory);
