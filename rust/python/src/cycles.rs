@@ -11,7 +11,6 @@
 //! dropping it closes it, on whatever thread it is dropped (a generator paused inside the loop
 //! and finalised elsewhere).
 
-use std::cell::UnsafeCell;
 use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
@@ -19,7 +18,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
 use crate::scope;
-use crate::shared::ScopeState;
+use crate::shared::{GilCell, ScopeState};
 use crate::state::CoreState;
 
 /// The iterator `Workspace.cycles(iterable)` returns.
@@ -28,34 +27,8 @@ pub(crate) struct Cycles {
     ws: Py<PyAny>,
     core: Arc<CoreState>,
     items: Py<pyo3::types::PyIterator>,
+    /// Touched under the GIL only: an iteration boundary takes no lock for it.
     loop_state: GilCell<LoopState>,
-}
-
-/// State touched only with the GIL held and never across a call into Python: the GIL orders
-/// every access, so an iteration boundary takes no lock (an uncontended lock and unlock cost as
-/// much as the rest of the boundary).
-struct GilCell<T>(UnsafeCell<T>);
-
-// SAFETY: the extension is built for the limited API, which free-threaded interpreters do not
-// load: every access goes through `with`, which needs the GIL (a `Python` token), so no two
-// threads touch the value at once; `with`'s closures call no Python, so no access nests.
-unsafe impl<T: Send> Sync for GilCell<T> {}
-
-impl<T> GilCell<T> {
-    fn new(value: T) -> Self {
-        GilCell(UnsafeCell::new(value))
-    }
-
-    /// Runs `f` on the value; `f` must not call into Python (which could re-enter).
-    #[inline]
-    fn with<R>(&self, _py: Python<'_>, f: impl FnOnce(&mut T) -> R) -> R {
-        // SAFETY: see the `Sync` impl: the GIL is held and no other access is in progress.
-        f(unsafe { &mut *self.0.get() })
-    }
-
-    fn get_mut(&mut self) -> &mut T {
-        self.0.get_mut()
-    }
 }
 
 /// What an iteration boundary returns: the item (or the error), then what the loop keeps.
@@ -111,7 +84,7 @@ impl Cycles {
         if open {
             return self.core.exit_state(py, ws, &scope, clean);
         }
-        self.core.forget_scope(&scope);
+        self.core.forget_scope(py, &scope);
         Ok(())
     }
 
@@ -139,7 +112,7 @@ impl Cycles {
             match reopened {
                 Ok(true) => return (Ok(Some(item.unbind())), Some(state), true, false),
                 // Something took the loop's scope out meanwhile: enter one anew.
-                Ok(false) => core.forget_scope(&state),
+                Ok(false) => core.forget_scope(py, &state),
                 Err(e) => return (Err(e), Some(state), false, false),
             }
         }
@@ -191,7 +164,7 @@ impl Cycles {
             Ok(true) => (Ok(Some(item.unbind())), Some(state), true, false),
             Ok(false) => {
                 // Something took the loop's scope out meanwhile: enter one anew.
-                core.forget_scope(&state);
+                core.forget_scope(py, &state);
                 match core.enter_scope(py, ws, false) {
                     Ok(state) => (Ok(Some(item.unbind())), Some(state), true, false),
                     Err(e) => (Err(e), None, false, false),

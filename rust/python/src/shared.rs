@@ -4,7 +4,7 @@
 //! still open). Both are plain data: nothing here calls into NumPy's handlers or walks the scope
 //! stack, so `handler` and `scope` build on this module and neither needs the other's internals.
 
-use std::cell::RefCell;
+use std::cell::{RefCell, UnsafeCell};
 use std::ffi::{c_char, c_void};
 use std::mem::ManuallyDrop;
 use std::ptr::{null_mut, NonNull};
@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::ffi;
+use pyo3::Python;
 use rustws_core::history::{Event, Segment};
 use rustws_core::lock::{SpinGuard, SpinLock};
 use rustws_core::{BlockKind, DebugMode, Error, Workspace, WorkspaceConfiguration};
@@ -210,6 +211,33 @@ impl Shared {
     }
 }
 
+/// State touched only with the GIL held and never across a call into Python: the GIL orders
+/// every access, so reaching it takes no lock (an uncontended lock and unlock cost as much as the
+/// rest of a cycle boundary).
+pub(crate) struct GilCell<T>(UnsafeCell<T>);
+
+// SAFETY: the extension is built for the limited API, which free-threaded interpreters do not
+// load: every access goes through `with`, which needs the GIL (a `Python` token), so no two
+// threads touch the value at once; `with`'s closures call no Python, so no access nests.
+unsafe impl<T: Send> Sync for GilCell<T> {}
+
+impl<T> GilCell<T> {
+    pub(crate) fn new(value: T) -> Self {
+        GilCell(UnsafeCell::new(value))
+    }
+
+    /// Runs `f` on the value; `f` must not call into Python (which could re-enter).
+    #[inline]
+    pub(crate) fn with<R>(&self, _py: Python<'_>, f: impl FnOnce(&mut T) -> R) -> R {
+        // SAFETY: see the `Sync` impl: the GIL is held and no other access is in progress.
+        f(unsafe { &mut *self.0.get() })
+    }
+
+    pub(crate) fn get_mut(&mut self) -> &mut T {
+        self.0.get_mut()
+    }
+}
+
 /// One open scope, shared by its node (and the nodes rebuilt for it) and its owner.
 #[derive(Debug)]
 pub(crate) struct ScopeState {
@@ -272,15 +300,14 @@ impl ScopeState {
         frame != 0 && frame == caller_frame()
     }
 
-    /// Closes it; returns whether it was open.
+    /// Closes it; returns whether it was open. Only code holding the GIL opens and closes scopes
+    /// (the handlers only read `open`), so this reads and writes, with no read-modify-write.
     pub fn close(&self) -> bool {
-        self.open.swap(false, Ordering::Relaxed)
-    }
-
-    /// Closes it where it is known to be open and only this thread changes it (the loop form's
-    /// end of an iteration): a plain store, not the read-modify-write of [`ScopeState::close`].
-    pub fn set_closed(&self) {
-        self.open.store(false, Ordering::Relaxed);
+        let was = self.open.load(Ordering::Relaxed);
+        if was {
+            self.open.store(false, Ordering::Relaxed);
+        }
+        was
     }
 
     /// Opens it again (the loop form's next iteration, a `with` reopening it in place), from the

@@ -13,7 +13,7 @@ use crate::calls::{self, Arg};
 use crate::devarray::DeviceSide;
 use crate::device::{reclaim, Block, Memory};
 use crate::errors::{self, to_py};
-use crate::shared::{ScopeState, Shared};
+use crate::shared::{GilCell, ScopeState, Shared};
 use crate::{arrays, scope};
 
 /// What a workspace's Python object holds.
@@ -27,8 +27,9 @@ pub(crate) struct CoreState {
     /// Set once for device workspaces: their `empty` / `zeros` return `DeviceArray`s.
     pub(crate) device: std::sync::OnceLock<DeviceSide>,
     /// The states of this workspace's open scopes (`with ws:`), innermost last: an exit that
-    /// runs where its scope is not in the stack closes one through them.
-    pub(crate) open_scopes: std::sync::Mutex<Vec<Arc<ScopeState>>>,
+    /// runs where its scope is not in the stack closes one through them. Touched under the GIL
+    /// only: entering and leaving a scope takes no lock for it.
+    pub(crate) open_scopes: GilCell<Vec<Arc<ScopeState>>>,
 }
 
 impl CoreState {
@@ -58,6 +59,24 @@ impl CoreState {
     /// (`with ws:` inside an open `with ws:` here, `nests`) a level nested in this stack's open
     /// cycle. The loop form always opens a cycle of its own: each iteration is one.
     pub(crate) fn enter_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>, nests: bool) -> PyResult<Arc<ScopeState>> {
+        let mut kept = None;
+        self.enter_level(py, me, nests, Some(&mut kept))?;
+        kept.ok_or_else(|| errors::no_memory(py))
+    }
+
+    /// `with ws:`: [`CoreState::enter_scope`], keeping nothing but the open scopes' entry.
+    pub(crate) fn enter_with(&self, py: Python<'_>, me: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.enter_level(py, me, true, None)
+    }
+
+    /// Opens the scope and lists it among the open scopes; `keep` gets a reference to it.
+    fn enter_level(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        nests: bool,
+        keep: Option<&mut Option<Arc<ScopeState>>>,
+    ) -> PyResult<()> {
         let task = scope::current_task(py);
         let open_here = nests && scope::is_open_here(py, me, task)?;
         // The guard is dropped before any Python runs: building an exception can run the GC,
@@ -90,27 +109,33 @@ impl CoreState {
                 state
             }
         };
-        self.remember_scope(py, &state).map_err(undo)?;
-        Ok(state)
+        if let Some(keep) = keep {
+            *keep = Some(state.clone());
+        }
+        self.remember_scope(py, state).map_err(undo)
     }
 
     /// Lists `state` among the open scopes (room first: none is a `MemoryError`, and nothing is
     /// left half done).
-    fn remember_scope(&self, py: Python<'_>, state: &Arc<ScopeState>) -> PyResult<()> {
-        let mut open = self.open_scopes.lock().unwrap_or_else(|e| e.into_inner());
-        if open.try_reserve(1).is_err() {
-            drop(open);
+    fn remember_scope(&self, py: Python<'_>, state: Arc<ScopeState>) -> PyResult<()> {
+        let refused = self.open_scopes.with(py, |open| {
+            if open.try_reserve(1).is_err() {
+                return Some(state);
+            }
+            open.push(state);
+            None
+        });
+        if let Some(state) = refused {
             state.close();
             return Err(errors::no_memory(py));
         }
-        open.push(state.clone());
         Ok(())
     }
 
     /// The loop form's end of an iteration: closes `state`'s cycle and leaves its node in place
     /// for the next iteration.
     pub(crate) fn end_iteration(&self, py: Python<'_>, me: &Bound<'_, PyAny>, state: &ScopeState) -> PyResult<()> {
-        state.set_closed();
+        state.close();
         self.end_level(py, me, state, true)
     }
 
@@ -165,7 +190,7 @@ impl CoreState {
             self.end_iteration(py, me, state)?;
             return self.begin_iteration(py, state, in_stack);
         }
-        state.set_closed();
+        state.close();
         let (ended, opened) = {
             let mut ws = self.shared.lock();
             let ended = ws.close_cycle();
@@ -195,8 +220,10 @@ impl CoreState {
     }
 
     /// Drops `state` from the open scopes (its node stays, closed, until settled).
-    pub(crate) fn forget_scope(&self, state: &Arc<ScopeState>) {
-        self.open_scopes.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| !Arc::ptr_eq(s, state));
+    pub(crate) fn forget_scope(&self, py: Python<'_>, state: &Arc<ScopeState>) {
+        let gone =
+            self.open_scopes.with(py, |open| open.iter().rposition(|s| Arc::ptr_eq(s, state)).map(|i| open.remove(i)));
+        drop(gone); // outside: dropping the last reference frees the state
     }
 
     /// Reports refused requests and escaped arrays through `_after_cycle`, when there are any.
@@ -225,10 +252,16 @@ impl CoreState {
                 // Not in this stack. The scope whose entering frame runs this exit is its owner's
                 // (a generator or coroutine finalised on another thread or outside its task): it
                 // closes. Any other exit from elsewhere changes nothing.
-                let (owned, any_open) = {
-                    let open = self.open_scopes.lock().unwrap_or_else(|e| e.into_inner());
-                    (open.iter().rev().find(|s| s.entered_here()).cloned(), !open.is_empty())
-                };
+                // Copied out first: telling the entering frame can make a frame object, and so
+                // run the GC and any Python it finalises.
+                let open = self.open_scopes.with(py, |open| {
+                    let mut copy = Vec::new();
+                    copy.try_reserve(open.len()).ok()?;
+                    copy.extend(open.iter().cloned());
+                    Some(copy)
+                });
+                let open = open.ok_or_else(|| errors::no_memory(py))?;
+                let (owned, any_open) = (open.iter().rev().find(|s| s.entered_here()).cloned(), !open.is_empty());
                 let what = scope::describe(me);
                 match owned {
                     Some(state) => {
@@ -277,7 +310,7 @@ impl CoreState {
         unlinked_under: Option<String>,
         clean: bool,
     ) -> PyResult<()> {
-        self.forget_scope(state);
+        self.forget_scope(py, state);
         self.end_level(py, me, state, clean)?;
         if let Some(innermost) = unlinked_under {
             scope::warn_unlinked(py, &scope::describe(me), &innermost)?;

@@ -182,7 +182,7 @@ impl WorkspaceCore {
             cycle_detector,
             memory,
             device: std::sync::OnceLock::new(),
-            open_scopes: std::sync::Mutex::new(Vec::new()),
+            open_scopes: crate::shared::GilCell::new(Vec::new()),
         });
         if rustws_core::reserve::served() != reserve {
             return Err(errors::no_memory(py)); // what was made goes back as it drops
@@ -322,7 +322,7 @@ impl WorkspaceCore {
     /// this thread and task it nests; beside one of another task or thread, it is a cycle of its
     /// own.
     fn __enter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
-        slf.get().enter_scope(slf.py(), slf.as_any(), true)?;
+        slf.get().enter_with(slf.py(), slf.as_any())?;
         Ok(slf.clone())
     }
 
