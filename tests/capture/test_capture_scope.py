@@ -11,6 +11,7 @@ import contextvars
 import gc
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -250,6 +251,82 @@ def test_every_iterable_ends_and_reports_each_cycle_at_the_same_point(kind):
     assert len(rec) == 2 and all("outlived cycle" in str(w.message) for w in rec)
     assert ws.stats().cycles == 4 and not ws.is_open and allocate() == (None, None)
     assert all(rustws.owner(a) is ws and (a == 1).all() for a in kept)
+
+
+@pytest.mark.parametrize("kind", ["range", "generator"])
+def test_an_item_is_not_lost_when_its_cycles_start_raises(kind):
+    """The end of a cycle can raise (here: an escaped array under RUSTWS_STRICT-like warnings as
+    errors); the next item, taken or not, comes with the next call."""
+    ws = rustws.workspace("NOLOSS", cfg(use_cycle_detector=True))
+    it = ws.cycles(range(4) if kind == "range" else _generated(range(4)))
+    seen, kept = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rustws.EscapedArrayWarning)
+        while True:
+            try:
+                i = next(it)
+            except StopIteration:
+                break
+            except rustws.EscapedArrayWarning:
+                seen.append("reported")
+                continue
+            seen.append(i)
+            if i == 1:
+                kept.append(np.ones(BIG))
+    assert seen == [0, 1, "reported", 2, 3]
+    assert ws.stats().cycles == 4 and not ws.is_open and allocate() == (None, None)
+
+
+def test_a_lists_items_are_freed_outside_any_cycle():
+    """An exhausted list iterator drops its list, and so its items, whose finalisers may
+    allocate: that happens outside the loop's last cycle, as every item is made outside one."""
+    ws = rustws.workspace("LISTFREE", cfg(use_cycle_detector=True))
+    made = []
+
+    class Finalised:
+        def __del__(self):
+            made.append((rustws.current_workspace(), np.ones(BIG)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rustws.EscapedArrayWarning)
+        for item in ws.cycles([Finalised(), Finalised()]):  # noqa: B007 (kept after the loop)
+            pass
+    assert len(made) == 1  # the first; the loop variable still holds the second
+    del item
+    assert len(made) == 2 and all(w is None and rustws.owner(a) is None for w, a in made)
+
+
+def test_a_with_orphaned_by_a_loop_opens_no_level_in_another_threads_cycle():
+    ws = rustws.workspace("ORPHAN-THREADS", cfg())
+
+    def paused():
+        with ws:
+            yield
+
+    g = paused()
+    loop = ws.cycles(range(3))
+    next(loop)
+    next(g)
+    with pytest.warns(ResourceWarning, match="unlinked"):
+        loop.close_loop()
+    started, release = threading.Event(), threading.Event()
+
+    def other():
+        with ws:
+            started.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert started.wait(10)
+        with ws:  # a cycle of its own, not a level of the other thread's
+            assert allocate() == (ws, ws)
+    finally:
+        release.set()
+        t.join()
+    g.close()
+    assert ws.stats().cycles == 3 and ws.depth == 0 and rustws.current_workspace() is None
 
 
 def test_the_iterable_makes_its_items_outside_any_cycle():

@@ -139,10 +139,10 @@ class ScopeMachine(RuleBasedStateMachine):
         else:
             ws.__exit__(None, None, None)  # a destroyed workspace's scope still unwinds
         if not ws.is_destroyed:
-            # One level less; or more: levels nested in a cycle that ends end with it. 0 already:
-            # a `with` nested in a loop's cycle that ended under it (closed out of order) ended
-            # with that cycle, and its exit only unwinds.
-            assert ws.depth < depth or depth == 0
+            # One level less; or more: levels nested in a cycle that ends end with it. None: a
+            # `with` nested in a loop's cycle that ended under it (closed out of order) ended with
+            # that cycle, and its exit only unwinds.
+            assert ws.depth <= depth
 
     @precondition(lambda self: len(self.stack) >= 2)
     @rule(data=st.data())
@@ -174,7 +174,7 @@ class ScopeMachine(RuleBasedStateMachine):
                 others = any(self.of(e) is ws for e in self.stack)
                 assert ws.depth < depth and (others or ws.depth == 0)
             else:
-                assert ws.depth < depth or depth == 0  # see `exit_innermost`
+                assert ws.depth <= depth  # see `exit_innermost`
 
     @precondition(lambda self: self.stack)
     @rule(n=sizes)

@@ -7,8 +7,10 @@
 //! project measures on, as much as the allocation it guards. This lock takes one: it locks with a
 //! compare-and-swap and unlocks with a plain release store. Nobody sleeps on it to be woken, so
 //! a thread that finds it taken spins briefly, then yields, then sleeps in growing steps (up to a
-//! millisecond) until it is free: a holder that maps or pre-faults memory for milliseconds costs
-//! waiters no CPU worth counting, and one that holds it for nanoseconds costs them a few spins.
+//! quarter of a millisecond) until it is free: a holder that maps or pre-faults memory for
+//! milliseconds costs waiters no CPU worth counting, and one that holds it for nanoseconds costs
+//! them a few spins. It is not fair: contention is rare by design (a workspace per thread or task),
+//! and under the GIL only code that released it can hold the lock at the same time.
 //!
 //! Nothing is poisoned: a panic while it is held releases it (the guard's `Drop`), as the
 //! workspace's counters are updated only after the operations they count succeed.
@@ -35,6 +37,11 @@ unsafe impl<T: Send> Sync for SpinLock<T> {}
 pub struct SpinGuard<'a, T> {
     lock: &'a SpinLock<T>,
 }
+
+// SAFETY: a shared guard gives out `&T` only, so sharing it between threads needs `T: Sync`, as
+// for `std::sync::MutexGuard` (without this, the guard would be `Sync` whenever `T: Send`, from
+// its `&SpinLock<T>`).
+unsafe impl<T: Sync> Sync for SpinGuard<'_, T> {}
 
 impl<T> SpinLock<T> {
     pub const fn new(value: T) -> Self {
@@ -64,7 +71,8 @@ impl<T> SpinLock<T> {
     }
 
     /// Waits until it can lock: spins (reading only, so that waiters do not fight over the cache
-    /// line), then yields, then sleeps from 16 µs up to 1 ms at a time.
+    /// line), then yields, then sleeps from 32 µs up to 256 µs at a time (a waiter may hold the
+    /// GIL: it is never late by much more than that).
     #[cold]
     fn wait(&self) {
         let mut rounds = 0u32;
@@ -76,7 +84,7 @@ impl<T> SpinLock<T> {
                 } else if rounds <= 128 {
                     std::thread::yield_now();
                 } else {
-                    let step = (rounds - 128).min(6);
+                    let step = (rounds - 128).min(4);
                     std::thread::sleep(Duration::from_micros(16 << step));
                 }
             }

@@ -4,12 +4,12 @@
 //! the cycle ends, the iterable makes the next item outside any cycle, and the next cycle begins
 //! in the same scope, reopened in place wherever it lies in the stack: no scope is pushed or
 //! popped per item, and NumPy's context variable is only read. Where taking the next item runs
-//! no Python (a `range`, a list, a tuple), it is taken first, and the cycle's end and the next
-//! cycle's open take the workspace's lock once; the loop's own state is touched only under the
-//! GIL, so a boundary takes no other lock. Leaving the loop (exhausting it,
-//! `break`, an exception) closes the open cycle: `break` and exceptions drop the iterator, and
-//! dropping it closes it, on whatever thread it is dropped (a generator paused inside the loop
-//! and finalised elsewhere).
+//! no Python (a `range`), it is taken first, and the cycle's end and the next cycle's open take
+//! the workspace's lock once; an item whose cycle could not open (the end before it raised) comes
+//! with the next call. The loop's own state is touched only under the GIL, so a boundary takes no
+//! other lock. Leaving the loop (exhausting it, `break`, an exception) closes the open cycle:
+//! `break` and exceptions drop the iterator, and dropping it closes it, on whatever thread it is
+//! dropped (a generator paused inside the loop and finalised elsewhere).
 
 use std::sync::Arc;
 
@@ -31,21 +31,31 @@ pub(crate) struct Cycles {
     loop_state: GilCell<LoopState>,
 }
 
-/// What an iteration boundary returns: the item (or the error), then what the loop keeps.
-type Advanced = (PyResult<Option<Py<PyAny>>>, Option<Arc<ScopeState>>, bool, bool);
-
 #[derive(Default)]
 struct LoopState {
-    /// The loop's scope, from the first item on (taken out while an iteration boundary runs).
+    /// What the calls in between keep (taken out while a call runs).
+    kept: Kept,
+    /// Whether `__next__` or `close_loop` is running (Python code they run, the iterable making
+    /// its next item or a report, cannot re-enter them: a generator raises the same way).
+    busy: bool,
+}
+
+/// What the loop keeps from one call to the next.
+#[derive(Default)]
+struct Kept {
+    /// The loop's scope, from the first item on.
     scope: Option<Arc<ScopeState>>,
     /// Whether an iteration's cycle is open.
     open: bool,
     /// Whether the iterable is exhausted (or failed), or the loop was left.
     done: bool,
-    /// Whether `__next__` or `close_loop` is running (Python code they run, the iterable making
-    /// its next item or a report, cannot re-enter them: a generator raises the same way).
-    busy: bool,
+    /// An item taken whose cycle did not open (the end of the cycle before it raised): the next
+    /// call opens its cycle and returns it, so that no item is lost.
+    pending: Option<Py<PyAny>>,
 }
+
+/// What a call returns, and what the loop keeps.
+type Step = (PyResult<Option<Py<PyAny>>>, Kept);
 
 impl Cycles {
     /// The loop over `iterable` of the workspace `ws`, whose state is `core`.
@@ -54,27 +64,25 @@ impl Cycles {
         Ok(Cycles { ws: ws.clone().unbind(), core, items, loop_state: GilCell::new(LoopState::default()) })
     }
 
-    /// Marks the loop busy and takes out its scope and whether a cycle is open; an error when
-    /// it already runs.
-    fn enter(&self, py: Python<'_>) -> PyResult<(Option<Arc<ScopeState>>, bool, bool)> {
+    /// Marks the loop busy and takes out what it keeps; an error when it already runs.
+    fn enter(&self, py: Python<'_>) -> PyResult<Kept> {
         let entered = self.loop_state.with(py, |s| {
             if s.busy {
                 return None;
             }
             s.busy = true;
-            Some((s.scope.take(), std::mem::take(&mut s.open), s.done))
+            Some(std::mem::take(&mut s.kept))
         });
         entered.ok_or_else(|| PyValueError::new_err("a workspace's cycles loop is already running"))
     }
 
-    /// Puts back what `enter` took (and what the iteration made), and clears `busy`.
-    fn settle(&self, py: Python<'_>, scope: Option<Arc<ScopeState>>, open: bool, done: bool) {
-        self.loop_state.with(py, |s| {
-            s.scope = scope;
-            s.open = open;
-            s.done = done;
+    /// Puts back what the loop keeps, and clears `busy`.
+    fn settle(&self, py: Python<'_>, kept: Kept) {
+        let old = self.loop_state.with(py, |s| {
             s.busy = false;
+            std::mem::replace(&mut s.kept, kept)
         });
+        drop(old); // empty (taken by `enter`); dropped outside all the same
     }
 
     /// Leaves the loop: the open cycle closes (as a `with` exit), and the scope is forgotten.
@@ -88,89 +96,139 @@ impl Cycles {
         Ok(())
     }
 
-    /// One boundary: ends the open cycle, takes the next item, opens the next cycle. Returns the
-    /// item, and what the loop keeps: its scope, whether a cycle is open, whether it is done.
-    fn advance(&self, py: Python<'_>, scope: Option<Arc<ScopeState>>, open: bool) -> Advanced {
+    /// One boundary: ends the open cycle, takes the next item, opens the next cycle.
+    fn advance(&self, py: Python<'_>, mut k: Kept) -> Step {
         let ws = self.ws.bind(py);
+        let item = match k.pending.take() {
+            Some(item) => item.into_bound(py),
+            None => {
+                if k.open && k.scope.is_some() && self.next_runs_no_python(py) {
+                    if let Some(state) = k.scope.take() {
+                        return self.turn(py, state, k);
+                    }
+                }
+                if let (true, Some(state)) = (k.open, &k.scope) {
+                    k.open = false;
+                    if let Err(e) = self.core.end_iteration(py, ws, state) {
+                        return (Err(e), k);
+                    }
+                }
+                match self.items.bind(py).clone().next() {
+                    Some(Ok(item)) => item,
+                    ended => return self.finish(py, ended, k),
+                }
+            }
+        };
+        self.open_with(py, item, k)
+    }
+
+    /// The iterable is exhausted (`None`) or failed: the loop is left.
+    fn finish(&self, py: Python<'_>, ended: Option<PyResult<Bound<'_, PyAny>>>, mut k: Kept) -> Step {
+        k.done = true;
+        let scope = k.scope.take();
+        let left = match ended {
+            Some(Err(e)) => self.leave(py, scope, false, false).and(Err(e)),
+            _ => self.leave(py, scope, false, true).map(|()| None),
+        };
+        (left, k)
+    }
+
+    /// Opens `item`'s cycle in the loop's scope, reopened in place (or a scope entered anew when
+    /// something took it out meanwhile); on an error the item waits for the next call.
+    fn open_with(&self, py: Python<'_>, item: Bound<'_, PyAny>, mut k: Kept) -> Step {
         let core = &self.core;
-        let scope = match scope {
-            Some(state) if open && self.next_runs_no_python(py) => return self.turn(py, state),
-            scope => scope,
-        };
-        if let (Some(state), true) = (&scope, open) {
-            if let Err(e) = core.end_iteration(py, ws, state) {
-                return (Err(e), scope, false, false);
-            }
-        }
-        let item = match self.items.bind(py).clone().next() {
-            Some(Ok(item)) => item,
-            None => return (self.leave(py, scope, false, true).map(|()| None), None, false, true),
-            Some(Err(e)) => return (self.leave(py, scope, false, false).and(Err(e)), None, false, true),
-        };
-        if let Some(state) = scope {
-            let reopened = scope::in_stack(py, &state).and_then(|here| core.begin_iteration(py, &state, here));
-            match reopened {
-                Ok(true) => return (Ok(Some(item.unbind())), Some(state), true, false),
-                // Something took the loop's scope out meanwhile: enter one anew.
+        if let Some(state) = k.scope.take() {
+            match scope::in_stack(py, &state).and_then(|here| core.begin_iteration(py, &state, here)) {
+                Ok(true) => {
+                    k.scope = Some(state);
+                    k.open = true;
+                    return (Ok(Some(item.unbind())), k);
+                }
                 Ok(false) => core.forget_scope(py, &state),
-                Err(e) => return (Err(e), Some(state), false, false),
+                Err(e) => {
+                    k.scope = Some(state);
+                    k.pending = Some(item.unbind());
+                    return (Err(e), k);
+                }
             }
         }
-        match core.enter_scope(py, ws, false) {
-            Ok(state) => (Ok(Some(item.unbind())), Some(state), true, false),
-            Err(e) => (Err(e), None, false, false),
+        match core.enter_scope(py, self.ws.bind(py), false) {
+            Ok(state) => {
+                k.scope = Some(state);
+                k.open = true;
+                (Ok(Some(item.unbind())), k)
+            }
+            Err(e) => {
+                k.pending = Some(item.unbind());
+                (Err(e), k)
+            }
         }
     }
 
-    /// Whether taking the next item runs no Python code (and so allocates no array): the
-    /// iterable is a `range`, a list or a tuple.
+    /// Whether taking the next item runs no Python code (and so allocates no array, and frees
+    /// nothing whose finaliser could): the iterable is a `range`. A list's or tuple's iterator
+    /// frees its sequence, and so maybe its items, when it is exhausted.
     fn next_runs_no_python(&self, py: Python<'_>) -> bool {
-        static PURE: PyOnceLock<[usize; 4]> = PyOnceLock::new();
-        let pure = PURE.get_or_init(py, || {
+        static RANGES: PyOnceLock<[usize; 2]> = PyOnceLock::new();
+        let ranges = RANGES.get_or_init(py, || {
             let kind = |obj: PyResult<Bound<'_, PyAny>>| {
                 obj.and_then(|o| o.try_iter()).map(|it| it.get_type().as_ptr() as usize).unwrap_or(0)
             };
             [
                 kind(pyo3::types::PyRange::new(py, 0, 1).map(Bound::into_any)),
                 kind(py.eval(c"range(1 << 80)", None, None)),
-                kind(Ok(pyo3::types::PyList::empty(py).into_any())),
-                kind(Ok(pyo3::types::PyTuple::empty(py).into_any())),
             ]
         });
         // SAFETY: a live object's type, compared by address only.
         let kind = unsafe { pyo3::ffi::Py_TYPE(self.items.as_ptr()) } as usize;
-        kind != 0 && pure.contains(&kind)
+        kind != 0 && ranges.contains(&kind)
     }
 
     /// The boundary when taking the next item runs no Python: the item first, then the cycle
     /// ends and the next one opens in the same scope under one lock of the workspace.
-    fn turn(&self, py: Python<'_>, state: Arc<ScopeState>) -> Advanced {
+    fn turn(&self, py: Python<'_>, state: Arc<ScopeState>, mut k: Kept) -> Step {
         let ws = self.ws.bind(py);
         let core = &self.core;
+        k.open = false;
         let item = match self.items.bind(py).clone().next() {
             Some(Ok(item)) => item,
             ended => {
                 // The last item: the cycle ends as it does after any iterable, then the loop.
-                if let Err(e) = core.end_iteration(py, ws, &state) {
-                    return (Err(e), Some(state), false, false);
+                let end = core.end_iteration(py, ws, &state);
+                k.scope = Some(state);
+                if let Err(e) = end {
+                    return (Err(e), k);
                 }
-                return match ended {
-                    Some(Err(e)) => (self.leave(py, Some(state), false, false).and(Err(e)), None, false, true),
-                    _ => (self.leave(py, Some(state), false, true).map(|()| None), None, false, true),
-                };
+                return self.finish(py, ended, k);
             }
         };
-        match scope::in_stack(py, &state).and_then(|here| core.turn_iteration(py, ws, &state, here)) {
-            Ok(true) => (Ok(Some(item.unbind())), Some(state), true, false),
+        let here = match scope::in_stack(py, &state) {
+            Ok(here) => here,
+            Err(e) => {
+                // The cycle still ends; the item waits for the next call.
+                let end = core.end_iteration(py, ws, &state);
+                k.scope = Some(state);
+                k.pending = Some(item.unbind());
+                return (end.and(Err(e)), k);
+            }
+        };
+        match core.turn_iteration(py, ws, &state, here) {
+            Ok(true) => {
+                k.scope = Some(state);
+                k.open = true;
+                (Ok(Some(item.unbind())), k)
+            }
             Ok(false) => {
                 // Something took the loop's scope out meanwhile: enter one anew.
                 core.forget_scope(py, &state);
-                match core.enter_scope(py, ws, false) {
-                    Ok(state) => (Ok(Some(item.unbind())), Some(state), true, false),
-                    Err(e) => (Err(e), None, false, false),
-                }
+                self.open_with(py, item, k)
             }
-            Err(e) => (Err(e), Some(state), false, false),
+            Err(e) => {
+                // The cycle ended (its report raised, or the next one could not open).
+                k.scope = Some(state);
+                k.pending = Some(item.unbind());
+                (Err(e), k)
+            }
         }
     }
 }
@@ -182,39 +240,42 @@ impl Cycles {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        let (scope, open, done) = self.enter(py)?;
-        if done {
-            self.settle(py, scope, open, true);
+        let k = self.enter(py)?;
+        if k.done {
+            self.settle(py, k);
             return Ok(None);
         }
-        let (result, scope, open, done) = self.advance(py, scope, open);
-        self.settle(py, scope, open, done);
+        let (result, k) = self.advance(py, k);
+        self.settle(py, k);
         result
     }
 
     /// Closes the open cycle now, as leaving the loop does.
     fn close_loop(&self, py: Python<'_>) -> PyResult<()> {
-        let (scope, open, _) = self.enter(py)?;
-        let left = self.leave(py, scope, open, true);
-        self.settle(py, None, false, true);
+        let mut k = self.enter(py)?;
+        let left = self.leave(py, k.scope.take(), std::mem::take(&mut k.open), true);
+        k.done = true;
+        let pending = k.pending.take();
+        self.settle(py, k);
+        drop(pending);
         left
     }
 }
 
 impl Drop for Cycles {
     fn drop(&mut self) {
-        let s = self.loop_state.get_mut();
-        let (scope, open) = (s.scope.take(), std::mem::take(&mut s.open));
-        if open || scope.is_some() {
+        let k = std::mem::take(&mut self.loop_state.get_mut().kept);
+        if k.open || k.scope.is_some() || k.pending.is_some() {
             // SAFETY: a pyclass is dropped by its type's deallocator, with the GIL held, on whatever
             // thread drops the last reference.
             let py = unsafe { Python::assume_attached() };
             // A loop left by an exception drops its iterator while that exception propagates:
             // the cycle's end runs Python (reports), which must not take the exception's place.
             let propagating = PyErr::take(py);
-            if let Err(e) = self.leave(py, scope, open, false) {
+            if let Err(e) = self.leave(py, k.scope, k.open, false) {
                 e.write_unraisable(py, None);
             }
+            drop(k.pending);
             if let Some(e) = propagating {
                 e.restore(py);
             }

@@ -175,7 +175,10 @@ fn current_workspace(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     scope::current(py)
 }
 
-#[pymodule]
+// The bindings keep state that only the GIL guards (`shared::GilCell`), and NumPy's small-block
+// cache, which the capture handler passes requests to, needs it too: on a free-threaded
+// interpreter, importing the module turns the GIL back on.
+#[pymodule(gil_used = true)]
 fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     // What raising an error, capturing and ending a cycle need is made now, not first where memory

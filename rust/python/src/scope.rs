@@ -512,7 +512,8 @@ pub fn captures_here(py: Python<'_>, shared: &Arc<Shared>) -> PyResult<bool> {
 pub fn is_open_here(py: Python<'_>, key: &Bound<'_, PyAny>, task: usize) -> PyResult<bool> {
     let mut cursor = current_handler(py)?;
     while let Some(node) = as_node(&cursor) {
-        if node.key_is(key) && node.is_here() && node.data.state.task == task {
+        let state = &node.data.state;
+        if node.key_is(key) && node.is_here() && state.task == task && !state.is_orphaned() {
             return Ok(true);
         }
         let next = node.below();
@@ -525,8 +526,9 @@ pub fn is_open_here(py: Python<'_>, key: &Bound<'_, PyAny>, task: usize) -> PyRe
 pub enum Popped {
     /// It was the innermost open scope.
     Innermost(Arc<ScopeState>),
-    /// It was unlinked from under the scope described here (the innermost open one).
-    Unlinked(Arc<ScopeState>, String),
+    /// It was unlinked from under the scope described here (the innermost open one), with the
+    /// number of levels of its workspace nested in its cycle above it, which ended with it.
+    Unlinked(Arc<ScopeState>, String, u32),
     /// This stack does not hold it open (another thread's, another task's, or closed already).
     NotHere,
 }
@@ -590,8 +592,25 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
         )?;
     }
     install(py, &rebuilt)?;
+    // Levels of this workspace nested in the popped scope's cycle (above it, below any cycle of
+    // the workspace opened above it) end with that cycle.
+    let mut orphans = 0;
+    if popped.opened_cycle() {
+        for node in above.iter().rev().filter_map(as_node) {
+            if !(node.key_is(key) && node.is_here()) {
+                continue;
+            }
+            if node.data.state.opened_cycle() {
+                break;
+            }
+            if !node.data.state.is_orphaned() {
+                node.data.state.orphan();
+                orphans += 1;
+            }
+        }
+    }
     match above.first().and_then(as_node) {
-        Some(n) => Ok(Popped::Unlinked(popped, describe(&n.owner()))),
+        Some(n) => Ok(Popped::Unlinked(popped, describe(&n.owner()), orphans)),
         None => Ok(Popped::Innermost(popped)),
     }
 }
@@ -709,7 +728,7 @@ impl Scope {
         };
         match pop(py, slf.as_any(), Some(&state))? {
             Popped::Innermost(_) => Ok(false),
-            Popped::Unlinked(_, innermost) => warn_unlinked(py, &what(), &innermost).map(|()| false),
+            Popped::Unlinked(_, innermost, _) => warn_unlinked(py, &what(), &innermost).map(|()| false),
             Popped::NotHere => {
                 // Its owner's exit, run elsewhere: the scope closes, and its node, closed, is left
                 // for its own thread to drop.

@@ -216,9 +216,10 @@ impl Shared {
 /// rest of a cycle boundary).
 pub(crate) struct GilCell<T>(UnsafeCell<T>);
 
-// SAFETY: the extension is built for the limited API, which free-threaded interpreters do not
-// load: every access goes through `with`, which needs the GIL (a `Python` token), so no two
-// threads touch the value at once; `with`'s closures call no Python, so no access nests.
+// SAFETY: the module declares that it uses the GIL (`gil_used = true`: a free-threaded
+// interpreter turns the GIL on when it imports it), and every access goes through `with`, which
+// needs a `Python` token, so the GIL is held and no two threads touch the value at once; `with`'s
+// closures call no Python, so no access nests.
 unsafe impl<T: Send> Sync for GilCell<T> {}
 
 impl<T> GilCell<T> {
@@ -257,6 +258,9 @@ pub(crate) struct ScopeState {
     /// thread, where an exit of it is its owner's (a generator or coroutine finalised on another
     /// thread runs its exit in that frame).
     frame: AtomicUsize,
+    /// A level nested in a cycle that ended under it (the cycle's scope unlinked while this one,
+    /// above it, was still open): the level ended with the cycle, and its exit only unwinds.
+    orphaned: AtomicBool,
 }
 
 impl ScopeState {
@@ -268,7 +272,17 @@ impl ScopeState {
             task,
             context: AtomicUsize::new(0),
             frame: AtomicUsize::new(caller_frame()),
+            orphaned: AtomicBool::new(false),
         })
+    }
+
+    /// Marks it a level whose cycle ended under it (see `orphaned`).
+    pub fn orphan(&self) {
+        self.orphaned.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_orphaned(&self) -> bool {
+        self.orphaned.load(Ordering::Relaxed)
     }
 
     pub fn opened_cycle(&self) -> bool {

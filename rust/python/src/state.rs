@@ -80,14 +80,18 @@ impl CoreState {
         let task = scope::current_task(py);
         let open_here = nests && scope::is_open_here(py, me, task)?;
         // The guard is dropped before any Python runs: building an exception can run the GC,
-        // which may free this workspace's arrays and take the lock again. A scope open here whose
-        // cycle ended under it (see `end_level`) has nothing to nest in: this one opens a cycle.
+        // which may free this workspace's arrays and take the lock again. A level open here whose
+        // cycle ended under it (`ScopeState::is_orphaned`) does not count: this one opens a cycle.
         let entered = {
             let mut ws = self.shared.lock();
-            let nested = open_here && ws.open_cycles() > 0;
-            if nested { ws.nest() } else { ws.open_cycle() }.map(|()| nested)
+            if open_here {
+                ws.nest()
+            } else {
+                ws.open_cycle()
+            }
         };
-        let nested = entered.map_err(|e| to_py(py, e))?;
+        entered.map_err(|e| to_py(py, e))?;
+        let nested = open_here;
         let undo = |e: PyErr| {
             let mut ws = self.shared.lock();
             let _ = if nested { ws.unnest() } else { ws.close_cycle().map(drop) };
@@ -149,12 +153,11 @@ impl CoreState {
             let mut ws = self.shared.lock();
             if state.opened_cycle() {
                 ws.close_cycle()
-            } else {
-                // A level with nothing to unnest ended with the cycle it nested in, which closed
-                // under it (a loop left while a `with` of the same workspace in its body was
-                // still open, which warned then): its exit only unwinds.
-                let _ = ws.unnest();
+            } else if state.is_orphaned() {
+                // Its cycle ended under it (see `exit_level`): its exit only unwinds.
                 Ok(rustws_core::CycleReport::default())
+            } else {
+                ws.unnest().map(|()| rustws_core::CycleReport::default())
             }
         };
         reclaim(py, &self.memory);
@@ -247,7 +250,9 @@ impl CoreState {
     pub(crate) fn exit_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>, clean: bool) -> PyResult<()> {
         match scope::pop(py, me, None)? {
             scope::Popped::Innermost(state) => self.exit_level(py, me, &state, None, clean),
-            scope::Popped::Unlinked(state, innermost) => self.exit_level(py, me, &state, Some(innermost), clean),
+            scope::Popped::Unlinked(state, innermost, orphans) => {
+                self.exit_level(py, me, &state, Some((innermost, orphans)), clean)
+            }
             scope::Popped::NotHere => {
                 // Not in this stack. The scope whose entering frame runs this exit is its owner's
                 // (a generator or coroutine finalised on another thread or outside its task): it
@@ -292,7 +297,9 @@ impl CoreState {
     ) -> PyResult<()> {
         match scope::pop(py, me, Some(state))? {
             scope::Popped::Innermost(_) => self.exit_level(py, me, state, None, clean),
-            scope::Popped::Unlinked(_, innermost) => self.exit_level(py, me, state, Some(innermost), clean),
+            scope::Popped::Unlinked(_, innermost, orphans) => {
+                self.exit_level(py, me, state, Some((innermost, orphans)), clean)
+            }
             scope::Popped::NotHere => {
                 state.close();
                 self.exit_level(py, me, state, None, clean)
@@ -302,17 +309,25 @@ impl CoreState {
 
     /// After a scope left the stack: it leaves the open scopes, its level ends, and an exit out
     /// of order warns.
+    /// `unlinked_under`: the scope it was unlinked from under, and how many levels of this
+    /// workspace nested in its cycle ended with it (their exits will only unwind).
     fn exit_level(
         &self,
         py: Python<'_>,
         me: &Bound<'_, PyAny>,
         state: &Arc<ScopeState>,
-        unlinked_under: Option<String>,
+        unlinked_under: Option<(String, u32)>,
         clean: bool,
     ) -> PyResult<()> {
         self.forget_scope(py, state);
+        if let Some((_, orphans @ 1..)) = &unlinked_under {
+            let mut ws = self.shared.lock();
+            for _ in 0..*orphans {
+                let _ = ws.unnest(); // none left once every cycle closed: nothing to undo
+            }
+        }
         self.end_level(py, me, state, clean)?;
-        if let Some(innermost) = unlinked_under {
+        if let Some((innermost, _)) = unlinked_under {
             scope::warn_unlinked(py, &scope::describe(me), &innermost)?;
         }
         Ok(())
