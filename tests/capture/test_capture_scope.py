@@ -296,8 +296,9 @@ def test_a_lists_items_are_freed_outside_any_cycle():
     assert len(made) == 2 and all(w is None and rustws.owner(a) is None for w, a in made)
 
 
-def test_a_with_orphaned_by_a_loop_opens_no_level_in_another_threads_cycle():
-    ws = rustws.workspace("ORPHAN-THREADS", cfg())
+def _orphan_a_with(ws):
+    """A loop over `ws` left while a `with ws:` in its body (a paused generator's) is still
+    open; returns the generator."""
 
     def paused():
         with ws:
@@ -306,9 +307,16 @@ def test_a_with_orphaned_by_a_loop_opens_no_level_in_another_threads_cycle():
     g = paused()
     loop = ws.cycles(range(3))
     next(loop)
-    next(g)
+    next(g)  # a level nested in the loop's cycle
+    assert ws.depth == 2
     with pytest.warns(ResourceWarning, match="unlinked"):
         loop.close_loop()
+    return g
+
+
+def test_a_with_orphaned_by_a_loop_opens_no_level_in_another_threads_cycle():
+    ws = rustws.workspace("ORPHAN-THREADS", cfg())
+    g = _orphan_a_with(ws)
     started, release = threading.Event(), threading.Event()
 
     def other():
@@ -370,18 +378,7 @@ def test_a_with_left_open_in_a_loop_ends_with_the_loops_cycle():
     paused inside it) ended with the loop's cycle: a `with ws:` meanwhile opens a cycle of its own
     instead of nesting in none, and the generator's exit only unwinds."""
     ws = rustws.workspace("ORPHAN", cfg())
-
-    def paused():
-        with ws:
-            yield
-
-    g = paused()
-    loop = ws.cycles(range(3))
-    next(loop)
-    next(g)  # a level nested in the loop's cycle
-    assert ws.depth == 2
-    with pytest.warns(ResourceWarning, match="unlinked"):
-        loop.close_loop()
+    g = _orphan_a_with(ws)
     assert ws.depth == 0
     with ws:
         assert ws.depth == 1 and allocate() == (ws, ws)
