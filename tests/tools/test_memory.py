@@ -4,6 +4,7 @@ replays the recorded loop without spills."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -208,20 +209,27 @@ def test_a_small_ring_keeps_the_last_events_and_counts_the_rest():
     assert info["dropped"] == 10 * 4 + 1 - 8  # open, alloc, free, close per cycle; the mapping
 
 
-def test_an_oom_under_max_size_gives_the_verdict_and_writes_the_snapshot(tmp_path):
-    path = tmp_path / "oom.pickle"
-    memory.set_oom_snapshot(path)
+@contextlib.contextmanager
+def observed():
+    """The refusals an OOM observer sees while the block runs."""
     seen = []
     memory.attach_oom_observer(seen.append)
     try:
+        yield seen
+    finally:
+        memory.detach_oom_observer(seen.append)
+
+
+def test_an_oom_under_max_size_gives_the_verdict_and_writes_the_snapshot(tmp_path):
+    path = tmp_path / "oom.pickle"
+    memory.set_oom_snapshot(path)
+    with observed() as seen:
         ws = rustws.workspace("OOM", fixed(max_size="4MiB"))
         with ws:
             kept = ws.empty(2 * MiB, np.uint8)
             with pytest.raises(WorkspaceOutOfMemory) as info:
                 ws.empty(3 * MiB, np.uint8)
             del kept
-    finally:
-        memory.detach_oom_observer(seen.append)
     e = info.value
     assert seen == [e]
     assert e.verdict.startswith("rustws verdict: the limit")
@@ -237,9 +245,7 @@ def test_an_oom_under_max_size_gives_the_verdict_and_writes_the_snapshot(tmp_pat
 
 
 def test_a_captured_refusal_is_observed_with_the_memory_as_it_was_at_the_refusal():
-    seen = []
-    memory.attach_oom_observer(seen.append)
-    try:
+    with observed() as seen:
         ws = rustws.workspace("FROZEN", fixed(max_size="4MiB"))
         with ws:
             kept = ws.empty(2 * MiB, np.uint8)
@@ -247,8 +253,6 @@ def test_a_captured_refusal_is_observed_with_the_memory_as_it_was_at_the_refusal
                 np.ones(3 * MiB // 8)  # NumPy's own MemoryError: reported when the cycle ends
             assert seen == []
             del kept
-    finally:
-        memory.detach_oom_observer(seen.append)
     (e,) = seen
     assert isinstance(e, WorkspaceOutOfMemory) and e.requested == 3 * MiB
     snap = e.memory_snapshot

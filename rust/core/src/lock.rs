@@ -65,11 +65,6 @@ impl<T> SpinLock<T> {
             .then_some(SpinGuard { lock: self })
     }
 
-    /// The value, without locking: `&mut self` excludes every other access.
-    pub fn get_mut(&mut self) -> &mut T {
-        self.value.get_mut()
-    }
-
     /// Waits until it can lock: spins (reading only, so that waiters do not fight over the cache
     /// line), then yields, then sleeps from 32 µs up to 256 µs at a time (a waiter may hold the
     /// GIL: it is never late by much more than that).
@@ -92,12 +87,6 @@ impl<T> SpinLock<T> {
                 return;
             }
         }
-    }
-}
-
-impl<T: Default> Default for SpinLock<T> {
-    fn default() -> Self {
-        SpinLock::new(T::default())
     }
 }
 

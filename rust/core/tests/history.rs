@@ -24,6 +24,15 @@ fn actions(events: &[Event]) -> Vec<(&'static str, usize)> {
     events.iter().map(|e| (e.action.name(), e.size)).collect()
 }
 
+/// A 1 MiB arena under a 2 MiB limit, recording `ring` events, its cycle open.
+fn limited_and_recording(name: &str, ring: usize) -> Workspace {
+    let config = WorkspaceConfiguration { max_size: (2 * MIB) as u64, ..fixed(MIB) };
+    let mut ws = Workspace::with_backend(name, config, Arc::new(AnonymousMemory)).unwrap();
+    ws.record_history(Some(ring)).unwrap();
+    ws.open_cycle().unwrap();
+    ws
+}
+
 #[test]
 fn a_known_program_records_its_blocks_mappings_and_cycles() {
     let mut ws = Workspace::with_backend("h", fixed(MIB), Arc::new(AnonymousMemory)).unwrap();
@@ -110,10 +119,7 @@ fn arena_segments_list_their_live_blocks_in_address_order() {
 
 #[test]
 fn a_refusal_is_the_last_event_and_names_the_largest_free_run() {
-    let config = WorkspaceConfiguration { max_size: (2 * MIB) as u64, ..fixed(MIB) };
-    let mut ws = Workspace::with_backend("o", config, Arc::new(AnonymousMemory)).unwrap();
-    ws.record_history(Some(16)).unwrap();
-    ws.open_cycle().unwrap();
+    let mut ws = limited_and_recording("o", 16);
     let kept = ws.alloc(512 * KIB).unwrap();
     let err = ws.alloc(3 * MIB).unwrap_err();
     let Error::OutOfMemory(r) = &err else { panic!("{err:?}") };
@@ -169,10 +175,7 @@ fn overlapping_cycles_each_record_their_open_and_close() {
 
 #[test]
 fn only_refusals_for_want_of_memory_are_oom_events_and_a_refusal_drops_the_pending_stack() {
-    let config = WorkspaceConfiguration { max_size: (2 * MIB) as u64, ..fixed(MIB) };
-    let mut ws = Workspace::with_backend("r", config, Arc::new(AnonymousMemory)).unwrap();
-    ws.record_history(Some(64)).unwrap();
-    ws.open_cycle().unwrap();
+    let mut ws = limited_and_recording("r", 64);
     ws.recorder().set_context(7);
     assert!(ws.alloc_aligned(100, 3).is_err(), "an alignment that is no power of two");
     assert!(ws.alloc(usize::MAX - 4096).is_err(), "too large for any size class");

@@ -102,14 +102,14 @@ impl Cycles {
         let item = match k.pending.take() {
             Some(item) => item.into_bound(py),
             None => {
-                if k.open && k.scope.is_some() && self.next_runs_no_python(py) {
-                    if let Some(state) = k.scope.take() {
+                if let Some(state) = k.scope.take_if(|_| k.open) {
+                    if self.next_runs_no_python(py) {
                         return self.turn(py, state, k);
                     }
-                }
-                if let (true, Some(state)) = (k.open, &k.scope) {
                     k.open = false;
-                    if let Err(e) = self.core.end_iteration(py, ws, state) {
+                    let ended = self.core.end_iteration(py, ws, &state);
+                    k.scope = Some(state);
+                    if let Err(e) = ended {
                         return (Err(e), k);
                     }
                 }

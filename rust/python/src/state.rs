@@ -59,39 +59,36 @@ impl CoreState {
     /// (`with ws:` inside an open `with ws:` here, `nests`) a level nested in this stack's open
     /// cycle. The loop form always opens a cycle of its own: each iteration is one.
     pub(crate) fn enter_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>, nests: bool) -> PyResult<Arc<ScopeState>> {
-        let mut kept = None;
-        self.enter_level(py, me, nests, Some(&mut kept))?;
-        kept.ok_or_else(|| errors::no_memory(py))
+        self.enter_level(py, me, nests, Arc::clone)
     }
 
     /// `with ws:`: [`CoreState::enter_scope`], keeping nothing but the open scopes' entry.
     pub(crate) fn enter_with(&self, py: Python<'_>, me: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.enter_level(py, me, true, None)
+        self.enter_level(py, me, true, |_| ())
     }
 
-    /// Opens the scope and lists it among the open scopes; `keep` gets a reference to it.
-    fn enter_level(
+    /// Opens the scope and lists it among the open scopes; returns what `keep` takes of it.
+    fn enter_level<K>(
         &self,
         py: Python<'_>,
         me: &Bound<'_, PyAny>,
         nests: bool,
-        keep: Option<&mut Option<Arc<ScopeState>>>,
-    ) -> PyResult<()> {
+        keep: impl FnOnce(&Arc<ScopeState>) -> K,
+    ) -> PyResult<K> {
         let task = scope::current_task(py);
-        let open_here = nests && scope::is_open_here(py, me, task)?;
+        let nested = nests && scope::is_open_here(py, me, task)?;
         // The guard is dropped before any Python runs: building an exception can run the GC,
         // which may free this workspace's arrays and take the lock again. A level open here whose
         // cycle ended under it (`ScopeState::is_orphaned`) does not count: this one opens a cycle.
         let entered = {
             let mut ws = self.shared.lock();
-            if open_here {
+            if nested {
                 ws.nest()
             } else {
                 ws.open_cycle()
             }
         };
         entered.map_err(|e| to_py(py, e))?;
-        let nested = open_here;
         let undo = |e: PyErr| {
             let mut ws = self.shared.lock();
             let _ = if nested { ws.unnest() } else { ws.close_cycle().map(drop) };
@@ -113,10 +110,9 @@ impl CoreState {
                 state
             }
         };
-        if let Some(keep) = keep {
-            *keep = Some(state.clone());
-        }
-        self.remember_scope(py, state).map_err(undo)
+        let kept = keep(&state);
+        self.remember_scope(py, state).map_err(undo)?;
+        Ok(kept)
     }
 
     /// Lists `state` among the open scopes (room first: none is a `MemoryError`, and nothing is
@@ -237,8 +233,8 @@ impl CoreState {
         r: rustws_core::CycleReport,
         clean: bool,
     ) -> PyResult<()> {
-        let leaked = self.leaked(&r);
-        if leaked || self.shared.has_failures.load(Ordering::Relaxed) {
+        if self.reports(&r) {
+            let leaked = self.leaked(&r);
             let names = calls::names(py)?;
             let args = [Arg::Bool(leaked && clean), Arg::Int(r.escaped_blocks), Arg::Int(r.escaped_bytes)];
             calls::call_method(me, &names.after_cycle, &args)?;
