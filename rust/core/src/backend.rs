@@ -66,6 +66,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use crate::arena::HEADER;
+use crate::classes::PAGE_ALIGNED_SIZE;
 use crate::history::{Action, Recorder};
 
 pub use crate::error::{BackendError, Cause};
@@ -448,9 +450,17 @@ impl Backend for AnonymousMemory {
 const C_HEAP_TAG: usize = std::mem::size_of::<usize>();
 
 /// A [`BLOCK_ALIGN`]-aligned block of `len` bytes from `malloc` (or `calloc`), with the distance
-/// back to the allocation's start stored in the word in front of it.
+/// back to the allocation's start stored in the word in front of it. A block of a page-aligned
+/// class (a slot of at least [`PAGE_ALIGNED_SIZE`] plus its header) starts [`HEADER`] bytes short
+/// of a page, so that its data, behind the header, starts a page as the arena places such blocks
+/// (and as tcmalloc and mimalloc place large allocations): BLAS kernels run measurably faster on
+/// page-aligned matrices than at the C heap's 16 bytes past a page. The pad lies in the page
+/// the C heap's own header already touches.
 fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, BackendError> {
-    let total = len.checked_add(BLOCK_ALIGN + C_HEAP_TAG).ok_or(BackendError::refused(
+    let page = page_size();
+    let align_data = len >= PAGE_ALIGNED_SIZE + HEADER;
+    let room = if align_data { page } else { BLOCK_ALIGN };
+    let total = len.checked_add(room + C_HEAP_TAG).ok_or(BackendError::refused(
         "malloc",
         len,
         "more than an address space holds",
@@ -468,7 +478,12 @@ fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, BackendError> {
         return Err(BackendError::os(if zeroed { "calloc" } else { "malloc" }, len, libc::ENOMEM));
     }
     let start = raw as usize;
-    let at = (start + C_HEAP_TAG).next_multiple_of(BLOCK_ALIGN);
+    // `at` lies at most `room - 1` past `start + C_HEAP_TAG`; HEADER is a multiple of BLOCK_ALIGN.
+    let at = if align_data {
+        (start + C_HEAP_TAG + HEADER).next_multiple_of(page) - HEADER
+    } else {
+        (start + C_HEAP_TAG).next_multiple_of(BLOCK_ALIGN)
+    };
     let back = at - start;
     // SAFETY: `at - C_HEAP_TAG >= raw` and `at + len <= raw + total`, so both the tag and the
     // block lie inside the allocation; the tag is aligned (both addresses are multiples of 8).
@@ -479,7 +494,6 @@ fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, BackendError> {
     };
     if len >= HUGE_PAGE_THRESHOLD {
         // As NumPy does for its large arrays: huge pages for the whole pages of the block.
-        let page = page_size();
         let (a, b) = (at.next_multiple_of(page), (at + len) / page * page);
         if a < b {
             // SAFETY: advice on whole pages inside our own allocation; failure is harmless.
@@ -1234,6 +1248,28 @@ mod tests {
         let named = std::env::temp_dir().join(format!("rustws-test-{}.bin", std::process::id()));
         exercise(&FileMappedMemory::new(&named));
         let _ = std::fs::remove_file(named);
+    }
+
+    #[test]
+    fn c_heap_blocks_of_page_aligned_classes_have_their_data_on_a_page() {
+        let page = page_size();
+        let large = PAGE_ALIGNED_SIZE + HEADER;
+        for (len, zeroed) in [(large, false), (large, true), (16 << 20, false), (large - BLOCK_ALIGN, false)] {
+            let q = c_heap_block(len, zeroed).unwrap();
+            let at = q.as_ptr() as usize;
+            assert_eq!(at % BLOCK_ALIGN, 0);
+            if len >= large {
+                assert_eq!((at + HEADER) % page, 0, "{len} bytes: data at {} past a page", (at + HEADER) % page);
+            }
+            // SAFETY: allocated above with `len` bytes; every byte is ours, then released once.
+            unsafe {
+                if zeroed {
+                    assert!(std::slice::from_raw_parts(q.as_ptr(), len).iter().all(|&x| x == 0));
+                }
+                q.as_ptr().write_bytes(0xAB, len);
+                AnonymousMemory.free_block(q, len);
+            }
+        }
     }
 
     #[test]

@@ -75,13 +75,35 @@ pub(crate) struct Capture {
     pub below: *const PyDataMemHandler,
     /// The node whose data holds this capture (for settling a closed one).
     pub node: *const c_void,
+    /// `shared.small`, and the allocator of `below`, read once: a request the workspace does not
+    /// take costs one comparison and one indirect call.
+    small: usize,
+    lend: Option<PyDataMemAllocator>,
+}
+
+impl std::fmt::Debug for PyDataMemAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PyDataMemAllocator").field("ctx", &self.ctx).finish_non_exhaustive()
+    }
 }
 
 impl Capture {
+    /// The capture of a scope with `state` over `shared`, lending what the workspace does not
+    /// take to `below` (kept alive by the node, whose handler never changes).
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        state: Arc<ScopeState>,
+        settle: fn(Python<'_>, *const c_void),
+        below: *const PyDataMemHandler,
+    ) -> Self {
+        let small = shared.small;
+        Capture { shared, state, settle, below, node: std::ptr::null(), small, lend: allocator_of(below) }
+    }
+
     /// Whether a request of `size` bytes made now is served by the workspace.
     #[inline]
     fn takes(&self, size: usize) -> bool {
-        size >= self.shared.small
+        size >= self.small
             && self.shared.capture.load(Ordering::Relaxed)
             && self.state.is_here()
             && !self.shared.is_destroyed()
@@ -285,7 +307,11 @@ unsafe extern "C" fn capture_malloc(ctx: *mut c_void, size: usize) -> *mut c_voi
             if !c.state.open.load(Ordering::Relaxed) {
                 c.settle_if_closed();
             }
-            allocate(c.below, size, false)
+            match c.lend {
+                // SAFETY: the handler below's own function with its own context.
+                Some(a) => unsafe { (a.malloc)(a.ctx, size) },
+                None => null_mut(),
+            }
         }
     })
 }
@@ -333,8 +359,10 @@ unsafe extern "C" fn capture_free(ctx: *mut c_void, ptr: *mut c_void, size: usiz
         // (never one smaller than `helper_min_size`), or one the handler below served.
         unsafe {
             let c = capture(ctx);
-            if size < c.shared.small || !c.shared.free_if_ours(p) {
-                release(c.below, ptr, size);
+            if size < c.small || !c.shared.free_if_ours(p) {
+                if let Some(a) = c.lend {
+                    (a.free)(a.ctx, ptr, size);
+                }
             }
         }
     })

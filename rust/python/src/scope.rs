@@ -174,13 +174,7 @@ fn new_node<'py>(
             // node's reference to `below`).
             let below_handler = handler::lent_handler(below).cast::<PyDataMemHandler>().cast_const();
             let handler = handler::capture_handler(std::ptr::null(), &shared);
-            let capture = Capture {
-                shared,
-                state: state.clone(),
-                settle: settle_closed,
-                below: below_handler,
-                node: std::ptr::null(),
-            };
+            let capture = Capture::new(shared, state.clone(), settle_closed, below_handler);
             (capsule, Some(CaptureHandler { handler, capture }))
         }
     };
