@@ -153,14 +153,10 @@ impl FreeLists {
     }
 
     fn clear(&mut self) {
-        for c in self.nonempty.iter_desc() {
-            self.heads[c] = NONE;
-        }
-        for c in self.hot_set.iter_desc() {
-            self.hot[c] = NONE;
-        }
-        self.nonempty.clear();
-        self.hot_set.clear();
+        let heads = &mut self.heads;
+        self.nonempty.drain(|c| heads[c] = NONE);
+        let hot = &mut self.hot;
+        self.hot_set.drain(|c| hot[c] = NONE);
         self.epoch = self.epoch.wrapping_add(1);
         self.bytes = 0;
     }

@@ -194,7 +194,7 @@ impl CoreState {
             let mut ws = self.shared.lock();
             let ended = ws.close_cycle();
             let quiet = matches!(&ended, Ok(r) if !self.reports(r));
-            let opened = if quiet { Some(ws.open_cycle()) } else { None };
+            let opened = if quiet { Some(ws.reopen_cycle()) } else { None };
             (ended, opened)
         };
         reclaim(py, &self.memory);

@@ -154,7 +154,12 @@ impl Program {
             }
             Op::CycleEnd if !self.w.is_destroyed() => {
                 self.w.exit().expect("a cycle end never fails, even when growth does");
-                self.w.enter().unwrap();
+                // The next cycle opens through the same borrow, as the loop form's boundary does.
+                if self.w.depth() == 0 {
+                    self.w.reopen_cycle().unwrap();
+                } else {
+                    self.w.enter().unwrap();
+                }
             }
             Op::CleanCycleEnd if !self.w.is_destroyed() => {
                 let cycle = self.w.epoch();
