@@ -89,7 +89,8 @@ impl std::fmt::Debug for PyDataMemAllocator {
 
 impl Capture {
     /// The capture of a scope with `state` over `shared`, lending what the workspace does not
-    /// take to `below` (kept alive by the node, whose handler never changes).
+    /// take to `below` (kept alive by the node; a handler never changes), or to NumPy's default
+    /// when `below` is null (known from the module's import on: a failed search fails the import).
     pub(crate) fn new(
         shared: Arc<Shared>,
         state: Arc<ScopeState>,
