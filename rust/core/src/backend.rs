@@ -66,7 +66,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::arena::HEADER;
+use crate::arena::{HEADER, LARGE_DATA_ALIGN};
 use crate::classes::PAGE_ALIGNED_SIZE;
 use crate::history::{Action, Recorder};
 
@@ -452,14 +452,15 @@ const C_HEAP_TAG: usize = std::mem::size_of::<usize>();
 /// A [`BLOCK_ALIGN`]-aligned block of `len` bytes from `malloc` (or `calloc`), with the distance
 /// back to the allocation's start stored in the word in front of it. A block of a page-aligned
 /// class (a slot of at least [`PAGE_ALIGNED_SIZE`] plus its header) starts [`HEADER`] bytes short
-/// of a page, so that its data, behind the header, starts a page as the arena places such blocks
-/// (and as tcmalloc and mimalloc place large allocations): BLAS kernels run measurably faster on
-/// page-aligned matrices than at the C heap's 16 bytes past a page. The pad lies in the page
-/// the C heap's own header already touches.
+/// of a [`LARGE_DATA_ALIGN`] boundary, so that its data, behind the header, starts there as the
+/// arena places such blocks (and as tcmalloc and mimalloc place large allocations): threaded BLAS
+/// kernels run measurably faster on page-aligned matrices than at the C heap's 16 bytes past a
+/// page. The pad costs address space only, up to 4 KiB per block: where the C heap maps the block
+/// on its own (glibc, from 128 KiB until its threshold rises) it shares the page the heap's own
+/// header touches; `calloc` zeroes it with the rest.
 fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, BackendError> {
-    let page = page_size();
     let align_data = len >= PAGE_ALIGNED_SIZE + HEADER;
-    let room = if align_data { page } else { BLOCK_ALIGN };
+    let room = if align_data { LARGE_DATA_ALIGN } else { BLOCK_ALIGN };
     let total = len.checked_add(room + C_HEAP_TAG).ok_or(BackendError::refused(
         "malloc",
         len,
@@ -480,7 +481,7 @@ fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, BackendError> {
     let start = raw as usize;
     // `at` lies at most `room - 1` past `start + C_HEAP_TAG`; HEADER is a multiple of BLOCK_ALIGN.
     let at = if align_data {
-        (start + C_HEAP_TAG + HEADER).next_multiple_of(page) - HEADER
+        (start + C_HEAP_TAG + HEADER).next_multiple_of(LARGE_DATA_ALIGN) - HEADER
     } else {
         (start + C_HEAP_TAG).next_multiple_of(BLOCK_ALIGN)
     };
@@ -494,6 +495,7 @@ fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, BackendError> {
     };
     if len >= HUGE_PAGE_THRESHOLD {
         // As NumPy does for its large arrays: huge pages for the whole pages of the block.
+        let page = page_size();
         let (a, b) = (at.next_multiple_of(page), (at + len) / page * page);
         if a < b {
             // SAFETY: advice on whole pages inside our own allocation; failure is harmless.
@@ -1252,7 +1254,7 @@ mod tests {
 
     #[test]
     fn c_heap_blocks_of_page_aligned_classes_have_their_data_on_a_page() {
-        let page = page_size();
+        let page = LARGE_DATA_ALIGN;
         let large = PAGE_ALIGNED_SIZE + HEADER;
         let big = if cfg!(miri) { large + (1 << 16) } else { 16 << 20 };
         for (len, zeroed) in [(large, false), (large, true), (big, false), (large - BLOCK_ALIGN, false)] {

@@ -200,6 +200,7 @@ mod tests {
         assert!(!s.contains(64) && s.contains(65));
         let mut drained = Vec::new();
         s.drain(|c| drained.push(c));
+        drained.sort_unstable();
         assert_eq!(drained, vec![3, 65, 200, CLASSES - 1]);
         assert!(s.is_empty());
         s.insert(7);

@@ -134,6 +134,10 @@ struct Cycles {
     opened: (u64, u64, u64),
     /// What the last close reported.
     last: CycleReport,
+    /// Allocations and live blocks when the last cycle closed, for checking that a
+    /// [`Workspace::reopen_cycle`] follows its close with nothing in between.
+    #[cfg(debug_assertions)]
+    closed_with: (u64, usize),
 }
 
 /// One request on its way down the ladder.
@@ -552,8 +556,16 @@ impl Workspace {
 
     /// Opens the next cycle right after [`Workspace::close_cycle`] closed the last one, through
     /// the same borrow (nothing was allocated or freed in between): as [`Workspace::open_cycle`],
-    /// without rewinding the region that the close just rewound.
+    /// without rewinding the region that the close just rewound. Called otherwise, it is still
+    /// safe, but a region left carved up by blocks that died since stays so until the next close.
     pub fn reopen_cycle(&mut self) -> Result<(), Error> {
+        self.check_alive()?;
+        #[cfg(debug_assertions)]
+        debug_assert_eq!(
+            self.cycles.closed_with,
+            (self.accounts.allocations, self.live_blocks()),
+            "reopen_cycle after allocations or frees since the last close"
+        );
         self.open_cycle_after(false)
     }
 
@@ -703,6 +715,10 @@ impl Workspace {
         }
         report.pinned_bytes = self.accounts.pinned;
         self.cycles.last = report;
+        #[cfg(debug_assertions)]
+        {
+            self.cycles.closed_with = (self.accounts.allocations, live_blocks);
+        }
         if self.recording {
             let r = self.limit.recorder();
             r.record(Action::CycleClose, 0, report.peak_bytes as usize, 0, report.spills);
@@ -1501,7 +1517,7 @@ mod tests {
         let drive = |reopen: bool| {
             let mut w = heap(WorkspaceConfiguration::adaptive());
             let mut kept: Vec<NonNull<u8>> = Vec::new();
-            let mut seen = Vec::new();
+            let (mut seen, mut reports) = (Vec::new(), Vec::new());
             w.open_cycle().unwrap();
             for cycle in 0..40usize {
                 let sizes = [4096, 1000 + cycle * 7, 64 << 10, 300];
@@ -1526,8 +1542,7 @@ mod tests {
                         unsafe { w.free(p) };
                     }
                 }
-                let r = w.close_cycle().unwrap();
-                seen.push(r.escaped_blocks as usize);
+                reports.push(w.close_cycle().unwrap());
                 if reopen {
                     w.reopen_cycle().unwrap();
                 } else {
@@ -1540,10 +1555,11 @@ mod tests {
             }
             w.close_cycle().unwrap();
             w.verify();
-            (seen, w.stats().allocation_count, w.regions.capacity())
+            (seen, reports, w.regions.capacity())
         };
         let (reopened, opened) = (drive(true), drive(false));
         assert!(reopened.2 > 0, "the arena served the later cycles");
+        assert!(reopened.1.iter().any(|r| r.escaped_blocks > 0 && r.allocations > 0));
         assert_eq!(reopened, opened);
     }
 }
