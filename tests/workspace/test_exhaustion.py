@@ -105,16 +105,17 @@ CHILD = textwrap.dedent(
 
     keep = []
     step(0, keep)  # every path runs once before the limit, on the main thread
-    outcome = []
-    notes = []
+    # The refusal is kept in a slot made beforehand and read once the limit is lifted: the handler
+    # allocates nothing (a static type's `__name__`, a missing attribute's default, a list growing
+    # all do), so no refusal of the interpreter's own can recur in it.
+    outcome = [None]
 
     def until_refused():
         try:
             for i in range(1, 200_000):
                 step(i, keep)
         except MemoryError as e:
-            outcome.append(type(e).__name__)
-            notes.extend(getattr(e, "__notes__", ()))
+            outcome[0] = e
 
     # On a thread of its own, the first refusal is also the first time that thread meets rustws.
     go = threading.Event()
@@ -132,7 +133,9 @@ CHILD = textwrap.dedent(
             worker.join()
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    refused = outcome[0] if outcome else None
+    refused = type(outcome[0]).__name__ if outcome[0] is not None else None
+    notes = list(getattr(outcome[0], "__notes__", ()))
+    outcome[0] = None
     del keep
     # The process goes on: the same workspace serves cycles, and its arrays hold what was written.
     for k in range(3):
@@ -146,6 +149,12 @@ CHILD = textwrap.dedent(
     print("RESULT", refused)
     """
 )
+
+# What CPython 3.12 and 3.13 raise when a frame exits with a MemoryError that the interpreter then
+# loses under the same memory pressure (a frame object it could not make as the frame was popped:
+# python/cpython#131173, fixed in 3.14). The same runs raise "Missing frame when calling profile
+# function" with a profiler on: the interpreter's own refusal, met nowhere on 3.11.
+INTERPRETER_LOST_ERROR = ("returned NULL without setting an exception", "error return without exception set")
 
 KINDS = ["explicit", "captured", "resize", "cycle", "workspace", "loop", "decorator", "task"]
 # Address space left above what the child holds when the limit is set: from 128 KiB, where
@@ -177,6 +186,11 @@ def test_every_entry_point_refuses_with_memory_error_and_goes_on(kind, where):
         clean = "RESULT MemoryError" in out or "RESULT WorkspaceOutOfMemory" in out
         if rc != 0 or not clean:
             failures.append(f"{extra >> 10} KiB: exit {rc}: {out[-600:]}")
+    lost = [f for f in failures if "SystemError" in f and any(m in f for m in INTERPRETER_LOST_ERROR)]
+    if failures and len(lost) == len(failures) and sys.version_info[:2] in ((3, 12), (3, 13)):
+        version = ".".join(map(str, sys.version_info[:2]))
+        why = f"CPython {version} lost the MemoryError (python/cpython#131173)"
+        pytest.xfail(f"{kind}: {why}: {lost[0][:300]}")
     assert not failures, f"{kind}: " + "\n".join(failures)
 
 
