@@ -27,6 +27,9 @@ pub(crate) struct Cycles {
     ws: Py<PyAny>,
     core: Arc<CoreState>,
     items: Py<pyo3::types::PyIterator>,
+    /// Whether taking the next item runs no Python (see [`runs_no_python`]): fixed by the
+    /// iterator's type, so asked once.
+    pure: bool,
     /// Touched under the GIL only: an iteration boundary takes no lock for it.
     loop_state: GilCell<LoopState>,
 }
@@ -60,8 +63,10 @@ type Step = (PyResult<Option<Py<PyAny>>>, Kept);
 impl Cycles {
     /// The loop over `iterable` of the workspace `ws`, whose state is `core`.
     pub(crate) fn new(ws: &Bound<'_, PyAny>, core: Arc<CoreState>, iterable: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let items = iterable.try_iter()?.unbind();
-        Ok(Cycles { ws: ws.clone().unbind(), core, items, loop_state: GilCell::new(LoopState::default()) })
+        let items = iterable.try_iter()?;
+        let pure = runs_no_python(&items);
+        let loop_state = GilCell::new(LoopState::default());
+        Ok(Cycles { ws: ws.clone().unbind(), core, items: items.unbind(), pure, loop_state })
     }
 
     /// Marks the loop busy and takes out what it keeps; an error when it already runs.
@@ -103,7 +108,7 @@ impl Cycles {
             Some(item) => item.into_bound(py),
             None => {
                 if let Some(state) = k.scope.take_if(|_| k.open) {
-                    if self.next_runs_no_python(py) {
+                    if self.pure {
                         return self.turn(py, state, k);
                     }
                     k.open = false;
@@ -165,25 +170,6 @@ impl Cycles {
         }
     }
 
-    /// Whether taking the next item runs no Python code (and so allocates no array, and frees
-    /// nothing whose finaliser could): the iterable is a `range`. A list's or tuple's iterator
-    /// frees its sequence, and so maybe its items, when it is exhausted.
-    fn next_runs_no_python(&self, py: Python<'_>) -> bool {
-        static RANGES: PyOnceLock<[usize; 2]> = PyOnceLock::new();
-        let ranges = RANGES.get_or_init(py, || {
-            let kind = |obj: PyResult<Bound<'_, PyAny>>| {
-                obj.and_then(|o| o.try_iter()).map(|it| it.get_type().as_ptr() as usize).unwrap_or(0)
-            };
-            [
-                kind(pyo3::types::PyRange::new(py, 0, 1).map(Bound::into_any)),
-                kind(py.eval(c"range(1 << 80)", None, None)),
-            ]
-        });
-        // SAFETY: a live object's type, compared by address only.
-        let kind = unsafe { pyo3::ffi::Py_TYPE(self.items.as_ptr()) } as usize;
-        kind != 0 && ranges.contains(&kind)
-    }
-
     /// The boundary when taking the next item runs no Python: the item first, then the cycle
     /// ends and the next one opens in the same scope under one lock of the workspace.
     fn turn(&self, py: Python<'_>, state: Arc<ScopeState>, mut k: Kept) -> Step {
@@ -231,6 +217,21 @@ impl Cycles {
             }
         }
     }
+}
+
+/// Whether taking the next item of `items` runs no Python code (and so allocates no array, and
+/// frees nothing whose finaliser could): it is a `range`'s iterator. A list's or tuple's iterator
+/// frees its sequence, and so maybe its items, when it is exhausted.
+fn runs_no_python(items: &Bound<'_, pyo3::types::PyIterator>) -> bool {
+    static RANGES: PyOnceLock<[usize; 2]> = PyOnceLock::new();
+    let py = items.py();
+    let ranges = RANGES.get_or_init(py, || {
+        let kind = |obj: PyResult<Bound<'_, PyAny>>| {
+            obj.and_then(|o| o.try_iter()).map(|it| it.get_type().as_ptr() as usize).unwrap_or(0)
+        };
+        [kind(pyo3::types::PyRange::new(py, 0, 1).map(Bound::into_any)), kind(py.eval(c"range(1 << 80)", None, None))]
+    });
+    ranges.contains(&(items.get_type().as_ptr() as usize))
 }
 
 #[pymethods]

@@ -43,6 +43,10 @@ use crate::shared::{thread_ident, ScopeState, Shared};
 pub const CAPSULE_NAME: &CStr = c"mem_handler";
 
 /// `PyDataMemAllocator` from NumPy's `ndarraytypes.h`.
+///
+/// # Safety
+/// Its functions are called only with its own `ctx`, as NumPy calls them: `free` and `realloc`
+/// with a pointer the same allocator served, live, and `free` with the size it was asked for.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(crate) struct PyDataMemAllocator {
@@ -156,10 +160,10 @@ fn allocator_of(via: *const PyDataMemHandler) -> Option<PyDataMemAllocator> {
     (!via.is_null()).then(|| unsafe { (*via).allocator })
 }
 
-/// A block of `size` bytes from the handler `via` (NumPy's default when null), as that handler
-/// serves it; NULL when it refuses (NumPy then raises `MemoryError`).
-fn allocate(via: *const PyDataMemHandler, size: usize, zeroed: bool) -> *mut c_void {
-    let Some(a) = allocator_of(via) else { return null_mut() };
+/// A block of `size` bytes from the allocator `lend` of a handler (see [`allocator_of`]), as
+/// that handler serves it; NULL when it refuses (NumPy then raises `MemoryError`).
+fn allocate(lend: Option<PyDataMemAllocator>, size: usize, zeroed: bool) -> *mut c_void {
+    let Some(a) = lend else { return null_mut() };
     // SAFETY: the handler's own functions with its own context.
     unsafe {
         if zeroed {
@@ -170,23 +174,23 @@ fn allocate(via: *const PyDataMemHandler, size: usize, zeroed: bool) -> *mut c_v
     }
 }
 
-/// Gives `ptr` (of `size` bytes) back to the handler `via` that served it.
+/// Gives `ptr` (of `size` bytes) back to the handler whose allocator `lend` served it.
 ///
 /// # Safety
-/// `ptr` was served by `via` (NumPy's default when null) and is freed once.
-unsafe fn release(via: *const PyDataMemHandler, ptr: *mut c_void, size: usize) {
-    if let Some(a) = allocator_of(via) {
+/// `ptr` was served by `lend` and is freed once.
+unsafe fn release(lend: Option<PyDataMemAllocator>, ptr: *mut c_void, size: usize) {
+    if let Some(a) = lend {
         // SAFETY: the caller's guarantee; the handler's own function with its own context.
         unsafe { (a.free)(a.ctx, ptr, size) };
     }
 }
 
-/// Resizes `ptr` with the handler `via` that served it.
+/// Resizes `ptr` with the handler whose allocator `lend` served it.
 ///
 /// # Safety
-/// `ptr` was served by `via` (NumPy's default when null) and is live.
-unsafe fn resize(via: *const PyDataMemHandler, ptr: *mut c_void, new_size: usize) -> *mut c_void {
-    match allocator_of(via) {
+/// `ptr` was served by `lend` and is live.
+unsafe fn resize(lend: Option<PyDataMemAllocator>, ptr: *mut c_void, new_size: usize) -> *mut c_void {
+    match lend {
         // SAFETY: the caller's guarantee; the handler's own function with its own context.
         Some(a) => unsafe { (a.realloc)(a.ctx, ptr, new_size) },
         None => null_mut(),
@@ -194,16 +198,16 @@ unsafe fn resize(via: *const PyDataMemHandler, ptr: *mut c_void, new_size: usize
 }
 
 /// Resizes `p` if it is a block of this workspace: in the workspace when `stays`, else moved
-/// to the handler `out`. None when `p` is no block of this workspace.
+/// to the handler whose allocator is `out`. None when `p` is no block of this workspace.
 ///
 /// # Safety
-/// As for `Shared::free_if_ours`; `p` is live and `out` a live handler.
+/// As for `Shared::free_if_ours`; `p` is live.
 unsafe fn realloc_if_ours(
     shared: &Shared,
     p: NonNull<u8>,
     new_size: usize,
     stays: bool,
-    out: *const PyDataMemHandler,
+    out: Option<PyDataMemAllocator>,
 ) -> Option<*mut c_void> {
     let mut ws = shared.lock_allocating();
     // SAFETY: the caller's guarantee.
@@ -244,11 +248,17 @@ unsafe fn shared<'a>(ctx: *mut c_void) -> &'a Shared {
     unsafe { &*(ctx as *const Shared) }
 }
 
+/// # Safety
+/// Called by NumPy with the `ctx` of this workspace's handler (its `Shared`, kept alive by the
+/// capsule), and, for `realloc` / `free`, a pointer this handler served.
 unsafe extern "C" fn ws_malloc(ctx: *mut c_void, size: usize) -> *mut c_void {
     // SAFETY: NumPy passes back the ctx we registered.
     guarded(null_mut(), || unsafe { shared(ctx) }.alloc(size, false))
 }
 
+/// # Safety
+/// Called by NumPy with the `ctx` of this workspace's handler (its `Shared`, kept alive by the
+/// capsule), and, for `realloc` / `free`, a pointer this handler served.
 unsafe extern "C" fn ws_calloc(ctx: *mut c_void, nelem: usize, elsize: usize) -> *mut c_void {
     guarded(null_mut(), || {
         // SAFETY: NumPy passes back the ctx we registered.
@@ -263,18 +273,25 @@ unsafe extern "C" fn ws_calloc(ctx: *mut c_void, nelem: usize, elsize: usize) ->
     })
 }
 
+/// # Safety
+/// Called by NumPy with the `ctx` of this workspace's handler (its `Shared`, kept alive by the
+/// capsule), and, for `realloc` / `free`, a pointer this handler served.
 unsafe extern "C" fn ws_realloc(ctx: *mut c_void, ptr: *mut c_void, new_size: usize) -> *mut c_void {
     guarded(null_mut(), || {
         // SAFETY: NumPy passes back the ctx we registered.
         let s = unsafe { shared(ctx) };
         let Some(p) = NonNull::new(ptr.cast::<u8>()) else { return s.alloc(new_size, false) };
+        let numpy = allocator_of(null_mut());
         // SAFETY: NumPy reallocates only data it allocated through this handler and owns: a block
         // of this workspace, or NumPy's own (served after `destroy`).
-        unsafe { realloc_if_ours(s, p, new_size, true, null_mut()) }
-            .unwrap_or_else(|| unsafe { resize(null_mut(), ptr, new_size) })
+        unsafe { realloc_if_ours(s, p, new_size, true, numpy) }
+            .unwrap_or_else(|| unsafe { resize(numpy, ptr, new_size) })
     })
 }
 
+/// # Safety
+/// Called by NumPy with the `ctx` of this workspace's handler (its `Shared`, kept alive by the
+/// capsule), and, for `realloc` / `free`, a pointer this handler served.
 unsafe extern "C" fn ws_free(ctx: *mut c_void, ptr: *mut c_void, size: usize) {
     guarded((), || {
         let Some(p) = NonNull::new(ptr.cast::<u8>()) else { return };
@@ -282,7 +299,7 @@ unsafe extern "C" fn ws_free(ctx: *mut c_void, ptr: *mut c_void, size: usize) {
         // through this handler, once: a block of this workspace, or NumPy's own.
         unsafe {
             if !shared(ctx).free_if_ours(p) {
-                release(null_mut(), ptr, size);
+                release(allocator_of(null_mut()), ptr, size);
             }
         }
     })
@@ -298,6 +315,9 @@ unsafe fn capture<'a>(ctx: *mut c_void) -> &'a Capture {
     unsafe { &*(ctx as *const Capture) }
 }
 
+/// # Safety
+/// Called by NumPy with the `ctx` of a scope node's capture handler (its `Capture`, kept alive by
+/// the node), and, for `realloc` / `free`, a pointer this handler served.
 unsafe extern "C" fn capture_malloc(ctx: *mut c_void, size: usize) -> *mut c_void {
     guarded(null_mut(), || {
         // SAFETY: NumPy passes back the ctx the node registered.
@@ -308,15 +328,14 @@ unsafe extern "C" fn capture_malloc(ctx: *mut c_void, size: usize) -> *mut c_voi
             if !c.state.open.load(Ordering::Relaxed) {
                 c.settle_if_closed();
             }
-            match c.lend {
-                // SAFETY: the handler below's own function with its own context.
-                Some(a) => unsafe { (a.malloc)(a.ctx, size) },
-                None => null_mut(),
-            }
+            allocate(c.lend, size, false)
         }
     })
 }
 
+/// # Safety
+/// Called by NumPy with the `ctx` of a scope node's capture handler (its `Capture`, kept alive by
+/// the node), and, for `realloc` / `free`, a pointer this handler served.
 unsafe extern "C" fn capture_calloc(ctx: *mut c_void, nelem: usize, elsize: usize) -> *mut c_void {
     guarded(null_mut(), || {
         // SAFETY: NumPy passes back the ctx the node registered.
@@ -325,33 +344,39 @@ unsafe extern "C" fn capture_calloc(ctx: *mut c_void, nelem: usize, elsize: usiz
             Some(n) if c.takes(n) => c.shared.alloc(n, true),
             Some(n) => {
                 c.settle_if_closed();
-                allocate(c.below, n, true)
+                allocate(c.lend, n, true)
             }
             None => null_mut(),
         }
     })
 }
 
+/// # Safety
+/// Called by NumPy with the `ctx` of a scope node's capture handler (its `Capture`, kept alive by
+/// the node), and, for `realloc` / `free`, a pointer this handler served.
 unsafe extern "C" fn capture_realloc(ctx: *mut c_void, ptr: *mut c_void, new_size: usize) -> *mut c_void {
     guarded(null_mut(), || {
         // SAFETY: NumPy passes back the ctx the node registered.
         let c = unsafe { capture(ctx) };
         let captured = c.takes(new_size);
         let Some(p) = NonNull::new(ptr.cast::<u8>()) else {
-            return if captured { c.shared.alloc(new_size, false) } else { allocate(c.below, new_size, false) };
+            return if captured { c.shared.alloc(new_size, false) } else { allocate(c.lend, new_size, false) };
         };
         // SAFETY: NumPy reallocates only data it allocated through this handler and owns: a block
         // of this workspace (resized in it while the scope captures, else moved to the handler
         // below), or one the handler below served (which resizes it).
         unsafe {
-            match realloc_if_ours(&c.shared, p, new_size, captured, c.below) {
+            match realloc_if_ours(&c.shared, p, new_size, captured, c.lend) {
                 Some(q) => q,
-                None => resize(c.below, ptr, new_size),
+                None => resize(c.lend, ptr, new_size),
             }
         }
     })
 }
 
+/// # Safety
+/// Called by NumPy with the `ctx` of a scope node's capture handler (its `Capture`, kept alive by
+/// the node), and, for `realloc` / `free`, a pointer this handler served.
 unsafe extern "C" fn capture_free(ctx: *mut c_void, ptr: *mut c_void, size: usize) {
     guarded((), || {
         let Some(p) = NonNull::new(ptr.cast::<u8>()) else { return };
@@ -361,9 +386,7 @@ unsafe extern "C" fn capture_free(ctx: *mut c_void, ptr: *mut c_void, size: usiz
         unsafe {
             let c = capture(ctx);
             if size < c.small || !c.shared.free_if_ours(p) {
-                if let Some(a) = c.lend {
-                    (a.free)(a.ctx, ptr, size);
-                }
+                release(c.lend, ptr, size);
             }
         }
     })
@@ -384,6 +407,8 @@ pub(crate) fn capture_handler(capture: *const Capture, shared: &Shared) -> PyDat
     }
 }
 
+/// # Safety
+/// Called by Python once, with a capsule `new_capsule` made, as it is freed.
 unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     // SAFETY: called by Python with our capsule; the name matches the one it was created with.
     let ptr = unsafe { ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME.as_ptr()) } as *mut PyDataMemHandler;

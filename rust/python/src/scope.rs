@@ -69,6 +69,8 @@ struct NodeData {
     capsule: *mut ffi::PyObject,
 }
 
+/// # Safety
+/// Called by Python once, with the GIL held, with a node capsule as it is freed.
 unsafe extern "C" fn node_destructor(capsule: *mut ffi::PyObject) {
     // SAFETY: called by Python (GIL held) with a node capsule.
     let ctx = unsafe { ffi::PyCapsule_GetContext(capsule) };

@@ -76,10 +76,11 @@ impl CoreState {
         keep: impl FnOnce(&Arc<ScopeState>) -> K,
     ) -> PyResult<K> {
         let task = scope::current_task(py);
+        // A level open here whose cycle ended under it (`ScopeState::is_orphaned`) does not
+        // count: this one opens a cycle.
         let nested = nests && scope::is_open_here(py, me, task)?;
         // The guard is dropped before any Python runs: building an exception can run the GC,
-        // which may free this workspace's arrays and take the lock again. A level open here whose
-        // cycle ended under it (`ScopeState::is_orphaned`) does not count: this one opens a cycle.
+        // which may free this workspace's arrays and take the lock again.
         let entered = {
             let mut ws = self.shared.lock();
             if nested {
