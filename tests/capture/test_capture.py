@@ -271,3 +271,37 @@ def test_fromfile_and_fromstring_grow_through_realloc(tmp_path):
         assert empty.shape == (0,)
         assert rustws.owner(a) is ws
     assert ws.stats().failed_allocations == 0
+
+
+def test_a_first_cycle_of_changing_sizes_keeps_every_result():
+    """One long first cycle of arrays of changing sizes (1 to 24 MiB, the last few results kept):
+    blocks freed for one size are cut or gathered into blocks of the next sizes with their
+    pages, and every array keeps exactly NumPy's values; what the workspace holds afterwards
+    stays within what the cycle had live at once."""
+    rng = np.random.default_rng(3)
+    counts = (np.exp(rng.uniform(np.log(MiB // 8), np.log(24 * MiB // 8), 40))).astype(int)
+    src = np.random.default_rng(4).random(int(counts.max()))
+
+    def step(n):
+        t = src[:n] * 1.5
+        return np.sqrt(t + 1.0) - t
+
+    ws = rustws.workspace("changing-sizes")
+    kept, peak_live, held = [], 0, 0
+    with ws:
+        for n in counts:
+            kept.append((n, step(n)))
+            if len(kept) > 4:
+                m, r = kept.pop(0)
+                np.testing.assert_array_equal(r, step(m))
+            # What lived at once: the kept results, and a step's three temporaries beside them.
+            peak_live = max(peak_live, sum(r.nbytes for _, r in kept) + 3 * n * 8)
+            s = ws.stats()
+            held = max(held, s.cached_bytes + s.external_bytes)
+    for n, r in kept:
+        np.testing.assert_array_equal(r, step(n))
+    assert ws.stats().allocation_count >= 3 * len(counts)
+    # Outside the arena, live and cached together stay within the live peak (blocks are up to
+    # 12.5% larger than their arrays, and a few pages) and the cache's small slack.
+    assert held <= peak_live * 1.15 + 8 * MiB, (held, peak_live)
+    ws.destroy()

@@ -432,3 +432,70 @@ fn region_ids_never_wrap_into_a_false_match() {
     w.verify();
     assert_eq!((w.bad_frees(), w.stats().used_bytes), (0, 0));
 }
+
+/// A long first cycle of changing sizes (each step's temporaries of one size, one result kept
+/// for a few steps): the blocks it frees serve its later sizes, split or grown with their pages,
+/// rather than each size taking memory of its own from the system; every live block keeps its
+/// bytes through it, and the footprint stays within `max_size` and the cache within the peak.
+#[test]
+#[cfg_attr(miri, ignore = "Miri models no mremap")]
+fn a_first_cycle_of_changing_sizes_serves_them_from_the_pages_it_freed() {
+    let counted =
+        Arc::new(rustws_core::backend::FaultAdaptor::fail_every(Arc::new(AnonymousMemory), u64::MAX, libc::ENOMEM));
+    let max = 256 * MIB;
+    let mut w = Workspace::with_backend("changing", adaptive(max), counted.clone()).unwrap();
+    let fill = |p: NonNull<u8>, n: usize, seed: u8| {
+        // SAFETY: a live block of at least `n` bytes.
+        unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), n) }.fill(seed);
+    };
+    let check = |p: NonNull<u8>, n: usize, seed: u8| {
+        // SAFETY: as for `fill`.
+        let s = unsafe { std::slice::from_raw_parts(p.as_ptr(), n) };
+        assert!(s.iter().step_by(4093).chain([&s[n - 1]]).all(|&b| b == seed), "a live block lost its bytes");
+    };
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut kept: Vec<(NonNull<u8>, usize, u8)> = Vec::new();
+    let steps = 60;
+    w.enter().unwrap();
+    for step in 0..steps {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        // Log-uniform from 1 MiB to 24 MiB.
+        let size = (MIB as f64 * 24f64.powf((x % 1000) as f64 / 1000.0)) as usize;
+        let seed = step as u8;
+        let temps: Vec<NonNull<u8>> = (0..2).map(|_| w.alloc(size).unwrap()).collect();
+        let result = w.alloc(size).unwrap();
+        for (i, &t) in temps.iter().enumerate() {
+            fill(t, size, seed.wrapping_add(100 + i as u8));
+        }
+        fill(result, size, seed);
+        for &(p, n, s) in &kept {
+            check(p, n, s);
+        }
+        for (i, &t) in temps.iter().enumerate() {
+            check(t, size, seed.wrapping_add(100 + i as u8));
+            // SAFETY: live, freed once.
+            unsafe { w.free(t) };
+        }
+        kept.push((result, size, seed));
+        if kept.len() > 4 {
+            let (p, n, s) = kept.remove(0);
+            check(p, n, s);
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+        }
+        within(&w, &format!("step {step}"));
+    }
+    let requests = 3 * steps as u64;
+    let made = counted.calls();
+    assert!(made * 3 < requests, "{made} blocks or resizes asked of the system for {requests} requests");
+    for (p, n, s) in kept.drain(..) {
+        check(p, n, s);
+        // SAFETY: live, freed once.
+        unsafe { w.free(p) };
+    }
+    w.exit().unwrap();
+    within(&w, "the end");
+    assert_eq!(w.stats().failed_allocations, 0);
+}
