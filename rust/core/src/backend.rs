@@ -218,14 +218,22 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Splits the block at `ptr` of `len` bytes in two, with no system call and no copy: the
     /// block keeps its first `head` bytes, and the rest becomes a block of its own (returned with
     /// its length: it is freed, resized or split as any block), or goes back to the system where
-    /// it is too small for one (None). The default: never called (no block is resizable).
+    /// it is too small for one (`Ok(None)`). On `Err` (a block this cannot split) the block is as
+    /// it was.
+    ///
+    /// The block keeps its address; both lengths must be [`Backend::block_len`] values of
+    /// resizable lengths with `head < len`, or the split is refused.
     ///
     /// # Safety
-    /// As for [`Backend::resize_block`]; `len` and `head` are [`Backend::block_len`] values of
-    /// resizable lengths, `head < len`.
-    unsafe fn split_block(&self, ptr: NonNull<u8>, len: usize, head: usize) -> Option<(NonNull<u8>, usize)> {
-        let _ = (ptr, len, head);
-        None
+    /// As for [`Backend::resize_block`].
+    unsafe fn split_block(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        head: usize,
+    ) -> Result<Option<(NonNull<u8>, usize)>, BackendError> {
+        let _ = (ptr, head);
+        Err(BackendError::refused("split_block", len, "this memory's blocks are not resizable"))
     }
 
     /// The bytes of address space a block of `len` bytes spans, its own header room included:
@@ -501,7 +509,10 @@ impl Backend for AnonymousMemory {
     /// for one size serves another without faulting its pages anew.
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         if len >= OWN_MAPPING_MIN {
-            return own_mapping(len);
+            // Where the system maps no more (its count of mappings), the C heap may still serve.
+            if let Ok(p) = own_mapping(len) {
+                return Ok(p);
+            }
         }
         c_heap_block(len, false)
     }
@@ -509,7 +520,9 @@ impl Backend for AnonymousMemory {
     /// A fresh mapping, or `calloc` underneath: memory known to be zero is not written.
     fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         if len >= OWN_MAPPING_MIN {
-            return own_mapping(len);
+            if let Ok(p) = own_mapping(len) {
+                return Ok(p);
+            }
         }
         c_heap_block(len, true)
     }
@@ -517,15 +530,14 @@ impl Backend for AnonymousMemory {
     /// # Safety
     /// As for [`Backend::free_block`].
     unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
-        if len >= OWN_MAPPING_MIN {
-            // SAFETY: a block of this length is a mapping of its own (see `alloc_block`), given up
-            // by the caller.
-            unsafe { release_own_mapping(ptr, len) };
-            return;
-        }
-        // SAFETY: blocks of this backend under `OWN_MAPPING_MIN` come from `c_heap_block`, which
-        // stores the distance to the allocation's start in the word before the block.
+        // SAFETY: every block of this backend has a tag in the word in front of it: a mapping of
+        // its own's, or the distance back to the start of the C heap's allocation (see
+        // `c_heap_block`); the caller gives the block up.
         unsafe {
+            if is_own_mapping(ptr) {
+                release_own_mapping(ptr, len);
+                return;
+            }
             let back = ptr.as_ptr().sub(C_HEAP_TAG).cast::<usize>().read();
             libc::free(ptr.as_ptr().sub(back).cast());
         }
@@ -564,8 +576,9 @@ impl Backend for AnonymousMemory {
         let span = self.block_span(src_len);
         debug_assert!(self.block_resizable(src_len) && self.block_resizable(dst_len));
         debug_assert!(offset % page_size() == 0 && offset + span <= self.block_span(dst_len));
-        if cfg!(miri) {
-            return Err(BackendError::refused("mremap", src_len, "Miri models no mremap"));
+        // SAFETY: live blocks of ours (the caller's guarantee): their tags are readable.
+        if cfg!(miri) || !unsafe { is_own_mapping(dst) && is_own_mapping(src) } {
+            return Err(BackendError::refused("mremap", src_len, "a block of the C heap"));
         }
         // SAFETY: `src - lead` starts the whole mapping of `span` bytes of the block `src`, and
         // `dst - lead + offset` a page-aligned range of as many bytes inside `dst`'s mapping (the
@@ -587,10 +600,19 @@ impl Backend for AnonymousMemory {
 
     /// # Safety
     /// As for [`Backend::split_block`].
-    unsafe fn split_block(&self, ptr: NonNull<u8>, len: usize, head: usize) -> Option<(NonNull<u8>, usize)> {
+    unsafe fn split_block(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        head: usize,
+    ) -> Result<Option<(NonNull<u8>, usize)>, BackendError> {
         let lead = own_mapping_lead();
-        debug_assert!(head < len && self.block_resizable(head));
-        debug_assert!(self.block_len(len) == len && self.block_len(head) == head);
+        // SAFETY: a live block of ours (the caller's guarantee): its tag is readable.
+        let own = unsafe { is_own_mapping(ptr) };
+        let whole = self.block_len(len) == len && self.block_len(head) == head;
+        if !own || head >= len || !whole || !self.block_resizable(head) {
+            return Err(BackendError::refused("split_block", len, "no mapping of its own, or no whole pages"));
+        }
         // The block's mapping is `[ptr - lead, ptr + len)`, whole pages: its first `head + lead`
         // bytes stay with it, and the rest, from `ptr + head` (a page boundary), is a mapping of
         // a block of its own, whose header ends that mapping's first page.
@@ -598,12 +620,15 @@ impl Backend for AnonymousMemory {
         // SAFETY: `ptr + head` lies inside the block's mapping (`head < len`).
         let tail = unsafe { ptr.add(head) };
         if rest >= lead + OWN_MAPPING_MIN {
-            // SAFETY: `tail + lead` lies inside the rest (`rest > lead`).
-            return Some((unsafe { tail.add(lead) }, rest - lead));
+            // SAFETY: `tail + lead` lies inside the rest (`rest > lead`), its tag in front of it.
+            let block = unsafe { tail.add(lead) };
+            // SAFETY: the rest's first page is ours; the tag word lies in it.
+            unsafe { tag_own_mapping(block) };
+            return Ok(Some((block, rest - lead)));
         }
         // SAFETY: the rest is whole pages of the block's own mapping, given up by the caller.
         unsafe { libc::munmap(tail.as_ptr().cast(), rest) };
-        None
+        Ok(None)
     }
 
     /// # Safety
@@ -614,7 +639,8 @@ impl Backend for AnonymousMemory {
         old_len: usize,
         new_len: usize,
     ) -> Result<NonNull<u8>, BackendError> {
-        if !self.block_resizable(old_len) || !self.block_resizable(new_len) {
+        // SAFETY: a live block of ours (the caller's guarantee): its tag is readable.
+        if !self.block_resizable(old_len) || !self.block_resizable(new_len) || !unsafe { is_own_mapping(ptr) } {
             return Err(BackendError::refused("mremap", new_len, "a block of the C heap"));
         }
         let lead = own_mapping_lead();
@@ -639,10 +665,11 @@ impl Backend for AnonymousMemory {
 }
 
 /// Blocks of at least this many bytes from [`AnonymousMemory`] are mappings of their own rather
-/// than the C heap's: at that size the C heap maps them on its own too (until its threshold has
-/// risen past them), and a mapping of our own can be resized with its pages
-/// ([`Backend::resize_block`]).
-pub const OWN_MAPPING_MIN: usize = 1 << 20;
+/// than the C heap's (where the system maps no more, the C heap's): at that size glibc maps them
+/// on their own too (until its threshold has risen past them), and a mapping of our own can be
+/// cut, resized and gathered with its pages ([`Backend::split_block`], [`Backend::resize_block`],
+/// [`Backend::absorb_block`]), so that what a cycle freed serves its other sizes without faults.
+pub const OWN_MAPPING_MIN: usize = 128 << 10;
 
 /// Where a block starts in a mapping of its own: its header fills the end of the first page and
 /// its data starts on the second, on a page as the arena's large blocks do.
@@ -665,7 +692,32 @@ fn own_mapping(len: usize) -> Result<NonNull<u8>, BackendError> {
         unsafe { libc::madvise(m.as_ptr().cast(), map_len, libc::MADV_HUGEPAGE) };
     }
     // SAFETY: `lead < map_len`: the block lies inside the mapping; 64-aligned, as the page is.
-    Ok(unsafe { m.add(own_mapping_lead()) })
+    let block = unsafe { m.add(own_mapping_lead()) };
+    // SAFETY: the tag word lies in the mapping's first page, ours.
+    unsafe { tag_own_mapping(block) };
+    Ok(block)
+}
+
+/// The tag in the word in front of a block of a mapping of its own; a block of the C heap has
+/// the distance back to its allocation's start there, which is never this.
+const OWN_MAPPING_TAG: usize = usize::MAX;
+
+/// Marks `block` as one of a mapping of its own.
+///
+/// # Safety
+/// The word in front of `block` is writable memory of ours.
+unsafe fn tag_own_mapping(block: NonNull<u8>) {
+    // SAFETY: the caller's guarantee; the word is 8-aligned (blocks are 64-aligned).
+    unsafe { block.as_ptr().sub(C_HEAP_TAG).cast::<usize>().write(OWN_MAPPING_TAG) };
+}
+
+/// Whether `block` (of [`AnonymousMemory`]) lies in a mapping of its own rather than the C heap.
+///
+/// # Safety
+/// `block` is a live block of [`AnonymousMemory`]: the word in front of it is its tag.
+unsafe fn is_own_mapping(block: NonNull<u8>) -> bool {
+    // SAFETY: the caller's guarantee.
+    unsafe { block.as_ptr().sub(C_HEAP_TAG).cast::<usize>().read() == OWN_MAPPING_TAG }
 }
 
 /// Unmaps a block made by [`own_mapping`] (or resized since to `len` bytes).
@@ -1348,9 +1400,14 @@ impl Backend for LimitAdaptor {
     ///
     /// # Safety
     /// As for [`Backend::split_block`].
-    unsafe fn split_block(&self, ptr: NonNull<u8>, len: usize, head: usize) -> Option<(NonNull<u8>, usize)> {
+    unsafe fn split_block(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        head: usize,
+    ) -> Result<Option<(NonNull<u8>, usize)>, BackendError> {
         // SAFETY: forwarded with the caller's guarantee.
-        let tail = unsafe { self.upstream.split_block(ptr, len, head) };
+        let tail = unsafe { self.upstream.split_block(ptr, len, head) }?;
         let kept = head + tail.map_or(0, |(_, n)| n);
         self.held.fetch_sub(len.saturating_sub(kept), Ordering::Relaxed);
         self.segment(Action::SegmentFree, ptr, len);
@@ -1358,7 +1415,7 @@ impl Backend for LimitAdaptor {
         if let Some((at, n)) = tail {
             self.segment(Action::SegmentAlloc, at, n);
         }
-        tail
+        Ok(tail)
     }
 
     /// The growth passes the limit as a block of its own would; a shrink gives its bytes back.
@@ -1525,7 +1582,12 @@ impl Backend for FaultAdaptor {
 
     /// # Safety
     /// As for [`Backend::split_block`].
-    unsafe fn split_block(&self, ptr: NonNull<u8>, len: usize, head: usize) -> Option<(NonNull<u8>, usize)> {
+    unsafe fn split_block(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        head: usize,
+    ) -> Result<Option<(NonNull<u8>, usize)>, BackendError> {
         // SAFETY: forwarded with the caller's guarantee.
         unsafe { self.upstream.split_block(ptr, len, head) }
     }
@@ -1630,7 +1692,7 @@ mod tests {
         // Split: the head keeps its bytes where they were; the rest is a block of its own.
         let head = limit.block_len(2 << 20);
         // SAFETY: a live block of `len` bytes, both lengths block lengths, `head < len`.
-        let (tail, tail_len) = unsafe { limit.split_block(p, len, head) }.expect("room for a block");
+        let (tail, tail_len) = unsafe { limit.split_block(p, len, head) }.unwrap().expect("room for a block");
         assert_eq!(tail.as_ptr() as usize, p.as_ptr() as usize + head + own_mapping_lead());
         assert_eq!(limit.block_len(tail_len), tail_len);
         assert_eq!(limit.held(), head + tail_len, "the rest's header takes a page's worth");
@@ -1643,7 +1705,7 @@ mod tests {
         let q = unsafe { limit.resize_block(p, head, grown) }.unwrap();
         check(q, head, 1);
         fill(q, grown, 3);
-        let mid = limit.block_len(OWN_MAPPING_MIN + (512 << 10));
+        let mid = limit.block_len(OWN_MAPPING_MIN + OWN_MAPPING_MIN / 2);
         // SAFETY: a live block of `tail_len` bytes; resizable lengths.
         let t = unsafe { limit.resize_block(tail, tail_len, mid) }.unwrap();
         check(t, mid, 9);
@@ -1652,7 +1714,7 @@ mod tests {
         // A split whose rest is too small for a block gives the rest back.
         let short = limit.block_len(OWN_MAPPING_MIN);
         // SAFETY: a live block of `mid` bytes, `short < mid`, block lengths.
-        assert!(unsafe { limit.split_block(t, mid, short) }.is_none());
+        assert!(unsafe { limit.split_block(t, mid, short) }.unwrap().is_none());
         check(t, short, 9);
         assert_eq!(limit.held(), grown + short);
         // A C-heap length is not resized.
@@ -1670,8 +1732,25 @@ mod tests {
         // SAFETY: `d + at` lies inside `d`'s span, `short` bytes from it inside the block.
         check(unsafe { NonNull::new_unchecked(d.as_ptr().add(at)) }, short, 9);
         assert_eq!(limit.held(), grown + big);
+
+        // A block of that length from the C heap (where the system maps no more) is refused
+        // every change, and freed as the C heap's.
+        let heap = c_heap_block(big, false).unwrap();
+        fill(heap, big, 4);
+        let small = AnonymousMemory.alloc_block(short).unwrap();
+        // SAFETY: live blocks of these lengths, whose spans fit where they would go; each
+        // refusal leaves them as they were.
+        unsafe {
+            assert!(AnonymousMemory.split_block(heap, big, short).is_err());
+            assert!(AnonymousMemory.resize_block(heap, big, grown).is_err());
+            assert!(AnonymousMemory.absorb_block(d, big, 0, heap, big).is_err());
+            assert!(AnonymousMemory.absorb_block(heap, big, 0, small, short).is_err());
+        }
+        check(heap, big, 4);
         // SAFETY: live blocks of these lengths, each released once.
         unsafe {
+            AnonymousMemory.free_block(small, short);
+            AnonymousMemory.free_block(heap, big);
             limit.free_block(q, grown);
             limit.free_block(d, big);
         }

@@ -93,6 +93,10 @@ struct BlockCache {
     bytes: usize,
 }
 
+/// The most cached blocks one new block takes the pages of ([`OwnBlocks::reshape_cached`]): each
+/// is a system call, and a mapping of the system's more (which it counts).
+const GATHER_PIECES: usize = 32;
+
 /// Bytes of blocks of classes that did not recur the external cache keeps inside a cycle when a
 /// new block is made (and what it may always keep between cycles): cached blocks of classes a
 /// cycle of changing sizes no longer asks for go back rather than add to what it holds, while
@@ -395,15 +399,24 @@ impl OwnBlocks {
     /// bytes, its rest cached (or grown the page). None: the backend refused (it stays cached).
     fn cut_cached(&mut self, class: usize, slot: usize) -> Option<NonNull<u8>> {
         let (at, len, used) = self.unlist_cached(class);
-        if len > slot && self.backend.block_len(len) == len {
+        if len > slot {
             // SAFETY: a block of ours that nothing refers to, of `len` bytes; both lengths are
             // block lengths of resizable blocks, `slot < len`.
-            if let Some((r, n)) = unsafe { self.backend.split_block(at, len, slot) } {
-                // SAFETY: the rest, a block of its own now; the table has room (reserved by the
-                // caller, and one entry freed above).
-                unsafe { self.recache(r, n, used) };
+            match unsafe { self.backend.split_block(at, len, slot) } {
+                Ok(rest) => {
+                    if let Some((r, n)) = rest {
+                        // SAFETY: the rest, a block of its own now; the table has room (reserved
+                        // by the caller, and one entry freed above).
+                        unsafe { self.recache(r, n, used) };
+                    }
+                    return Some(at);
+                }
+                Err(_) => {
+                    // SAFETY: unchanged; the table has room for it again.
+                    unsafe { self.recache(at, len, used) };
+                    return None;
+                }
             }
-            return Some(at);
         }
         // SAFETY: as above; resizable lengths both.
         match unsafe { self.backend.resize_block(at, len, slot) } {
@@ -417,15 +430,15 @@ impl OwnBlocks {
     }
 
     /// A new block of `slot` bytes that takes in the pages of the largest cached blocks (none
-    /// of which holds `slot`), the last cut to what room is left; the rest of it faults in as it
-    /// is touched. None: the backend or the limit refused the new block.
+    /// of which holds `slot`; at most [`GATHER_PIECES`]), the last cut to what room is left; the
+    /// rest of it faults in as it is touched. None: the backend or the limit refused the new block.
     fn gather_cached(&mut self, slot: usize) -> Option<NonNull<u8>> {
         let dst = self.backend.alloc_block(slot).ok()?;
         let span = self.backend.block_span(slot);
         // Bytes of a block's span that are not its length (its header room).
         let lead = span - slot;
         let mut filled = 0;
-        loop {
+        for _ in 0..GATHER_PIECES {
             let top = self.cache.nonempty.iter_desc().next();
             let Some(class) = top else { break };
             let room = span - filled;
@@ -438,19 +451,24 @@ impl OwnBlocks {
             }
             let (at, mut len, used) = self.unlist_cached(class);
             if self.backend.block_span(len) > room {
-                let head = self.backend.block_len(room - lead);
-                if head != room - lead || self.backend.block_len(len) != len || head >= len {
-                    // SAFETY: unchanged; the table has room for it again.
-                    unsafe { self.recache(at, len, used) };
-                    break;
+                let head = room - lead;
+                // SAFETY: a block of ours that nothing refers to; `head < len` (its span is
+                // larger than the room), and the backend refuses lengths that are no block
+                // lengths.
+                match unsafe { self.backend.split_block(at, len, head) } {
+                    Ok(rest) => {
+                        if let Some((r, n)) = rest {
+                            // SAFETY: the rest, a block of its own now; the table has room.
+                            unsafe { self.recache(r, n, used) };
+                        }
+                        len = head;
+                    }
+                    Err(_) => {
+                        // SAFETY: unchanged; the table has room for it again.
+                        unsafe { self.recache(at, len, used) };
+                        break;
+                    }
                 }
-                // SAFETY: a block of ours that nothing refers to; block lengths of resizable
-                // blocks, `head < len`.
-                if let Some((r, n)) = unsafe { self.backend.split_block(at, len, head) } {
-                    // SAFETY: the rest, a block of its own now; the table has room.
-                    unsafe { self.recache(r, n, used) };
-                }
-                len = head;
             }
             // SAFETY: `dst` is a live block of ours of `slot` bytes and `at` a block of `len`
             // bytes that nothing refers to, both resizable; `filled` is a multiple of the page
