@@ -274,10 +274,10 @@ def test_fromfile_and_fromstring_grow_through_realloc(tmp_path):
 
 
 def test_a_first_cycle_of_changing_sizes_keeps_every_result():
-    """One long first cycle of arrays of changing sizes (1 to 24 MiB, the last few results kept):
-    blocks freed for one size are cut or gathered into blocks of the next sizes with their
-    pages, and every array keeps exactly NumPy's values; what the workspace holds afterwards
-    stays within what the cycle had live at once."""
+    """One long first cycle of arrays of changing sizes (1 to 24 MiB, the last few results kept),
+    served outside the arena and recycled through its cache: every array keeps exactly NumPy's
+    values, and what the workspace holds outside the arena, live and cached, stays within what
+    the cycle had live at once."""
     rng = np.random.default_rng(3)
     counts = (np.exp(rng.uniform(np.log(MiB // 8), np.log(24 * MiB // 8), 40))).astype(int)
     src = np.random.default_rng(4).random(int(counts.max()))

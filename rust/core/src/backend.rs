@@ -208,88 +208,6 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn discard(&self, ptr: NonNull<u8>, len: usize) {
         let _ = (ptr, len);
     }
-
-    /// The length to ask [`Backend::alloc_block`] for so that a block of at least `len` bytes
-    /// uses all it holds (a mapping of its own: whole pages). The default: `len`.
-    fn block_len(&self, len: usize) -> usize {
-        len
-    }
-
-    /// Splits the block at `ptr` of `len` bytes in two, with no system call and no copy: the
-    /// block keeps its first `head` bytes, and the rest becomes a block of its own (returned with
-    /// its length: it is freed, resized or split as any block), or goes back to the system where
-    /// it is too small for one (`Ok(None)`). On `Err` (a block this cannot split) the block is as
-    /// it was.
-    ///
-    /// The block keeps its address; both lengths must be [`Backend::block_len`] values of
-    /// resizable lengths with `head < len`, or the split is refused.
-    ///
-    /// # Safety
-    /// As for [`Backend::resize_block`].
-    unsafe fn split_block(
-        &self,
-        ptr: NonNull<u8>,
-        len: usize,
-        head: usize,
-    ) -> Result<Option<(NonNull<u8>, usize)>, BackendError> {
-        let _ = (ptr, head);
-        Err(BackendError::refused("split_block", len, "this memory's blocks are not resizable"))
-    }
-
-    /// The bytes of address space a block of `len` bytes spans, its own header room included:
-    /// the unit in which [`Backend::absorb_block`] moves pages. The default: `len`.
-    fn block_span(&self, len: usize) -> usize {
-        len
-    }
-
-    /// Moves the pages of the block at `src` of `src_len` bytes, with their contents and
-    /// without a copy or a fault, over the bytes of the block at `dst` (of `dst_len` bytes) that
-    /// lie from `offset` bytes into its span ([`Backend::block_span`]); `src` is gone afterwards,
-    /// as if freed, and `dst` is as long as it was. On `Err` both are as they were.
-    ///
-    /// # Safety
-    /// Both are live blocks of this backend of these lengths (resizable block lengths) that
-    /// nothing refers to, `offset` is a multiple of the page size, and `offset +
-    /// block_span(src_len) <= block_span(dst_len)`.
-    unsafe fn absorb_block(
-        &self,
-        dst: NonNull<u8>,
-        dst_len: usize,
-        offset: usize,
-        src: NonNull<u8>,
-        src_len: usize,
-    ) -> Result<(), BackendError> {
-        let _ = (dst, dst_len, offset, src);
-        Err(BackendError::refused("absorb_block", src_len, "this memory's blocks are not resizable"))
-    }
-
-    /// Whether a block of `len` bytes from [`Backend::alloc_block`] can take another length of
-    /// at least as many bytes through [`Backend::resize_block`]. The default: never.
-    fn block_resizable(&self, len: usize) -> bool {
-        let _ = len;
-        false
-    }
-
-    /// Gives the block at `ptr` of `old_len` bytes a length of `new_len` bytes (both lengths
-    /// [`Backend::block_resizable`]), at the address returned, which may differ: its pages move
-    /// with it, so the first `min(old_len, new_len)` bytes keep their contents and what was
-    /// resident stays resident, without a copy or a fault; bytes past `old_len` are unspecified.
-    /// Freed afterwards with [`Backend::free_block`] of the new address and `new_len`. On `Err` the
-    /// block is as it was.
-    ///
-    /// # Safety
-    /// `ptr` and `old_len` come from one earlier call of `alloc_block` (or of `resize_block`, with
-    /// its result) on this backend, the block was not released, and nothing refers to it (its
-    /// address may change).
-    unsafe fn resize_block(
-        &self,
-        ptr: NonNull<u8>,
-        old_len: usize,
-        new_len: usize,
-    ) -> Result<NonNull<u8>, BackendError> {
-        let _ = (ptr, old_len);
-        Err(BackendError::refused("resize_block", new_len, "this memory's blocks are not resizable"))
-    }
 }
 
 /// The page size, asked of the system once (cycle ends round to it).
@@ -503,231 +421,29 @@ impl Backend for AnonymousMemory {
         }
     }
 
-    /// Blocks under [`OWN_MAPPING_MIN`] come from the C heap, as NumPy's default allocator's
-    /// do, and are recycled by it; larger ones are mappings of their own ([`own_mapping`]), which
-    /// [`Backend::resize_block`] can give another length with their pages, so that a block cached
-    /// for one size serves another without faulting its pages anew.
+    /// Blocks come from the C heap, as NumPy's default allocator's do: small ones are recycled
+    /// by it, large ones are mappings of its own whose size it learns (glibc raises its mapping
+    /// threshold as they are freed), so a cycle served outside the arena costs what it costs
+    /// without rustws.
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
-        if len >= OWN_MAPPING_MIN {
-            // Where the system maps no more (its count of mappings), the C heap may still serve.
-            if let Ok(p) = own_mapping(len) {
-                return Ok(p);
-            }
-        }
         c_heap_block(len, false)
     }
 
-    /// A fresh mapping, or `calloc` underneath: memory known to be zero is not written.
+    /// `calloc` underneath: memory the C heap knows to be zero (a fresh mapping) is not written.
     fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
-        if len >= OWN_MAPPING_MIN {
-            if let Ok(p) = own_mapping(len) {
-                return Ok(p);
-            }
-        }
         c_heap_block(len, true)
     }
 
     /// # Safety
     /// As for [`Backend::free_block`].
-    unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
-        // SAFETY: every block of this backend has a tag in the word in front of it: a mapping of
-        // its own's, or the distance back to the start of the C heap's allocation (see
-        // `c_heap_block`); the caller gives the block up.
+    unsafe fn free_block(&self, ptr: NonNull<u8>, _len: usize) {
+        // SAFETY: blocks of this backend come from `c_heap_block`, which stores the distance to
+        // the allocation's start in the word before the block.
         unsafe {
-            if is_own_mapping(ptr) {
-                release_own_mapping(ptr, len);
-                return;
-            }
             let back = ptr.as_ptr().sub(C_HEAP_TAG).cast::<usize>().read();
             libc::free(ptr.as_ptr().sub(back).cast());
         }
     }
-
-    fn block_resizable(&self, len: usize) -> bool {
-        // Miri models no `mremap`.
-        len >= OWN_MAPPING_MIN && !cfg!(miri)
-    }
-
-    fn block_len(&self, len: usize) -> usize {
-        if len < OWN_MAPPING_MIN {
-            return len;
-        }
-        own_mapping_len(len).map_or(len, |m| m - own_mapping_lead())
-    }
-
-    fn block_span(&self, len: usize) -> usize {
-        if len < OWN_MAPPING_MIN {
-            return len;
-        }
-        own_mapping_len(len).unwrap_or(usize::MAX)
-    }
-
-    /// # Safety
-    /// As for [`Backend::absorb_block`].
-    unsafe fn absorb_block(
-        &self,
-        dst: NonNull<u8>,
-        dst_len: usize,
-        offset: usize,
-        src: NonNull<u8>,
-        src_len: usize,
-    ) -> Result<(), BackendError> {
-        let lead = own_mapping_lead();
-        let span = self.block_span(src_len);
-        debug_assert!(self.block_resizable(src_len) && self.block_resizable(dst_len));
-        debug_assert!(offset % page_size() == 0 && offset + span <= self.block_span(dst_len));
-        // SAFETY: live blocks of ours (the caller's guarantee): their tags are readable.
-        if cfg!(miri) || !unsafe { is_own_mapping(dst) && is_own_mapping(src) } {
-            return Err(BackendError::refused("mremap", src_len, "a block of the C heap"));
-        }
-        // SAFETY: `src - lead` starts the whole mapping of `span` bytes of the block `src`, and
-        // `dst - lead + offset` a page-aligned range of as many bytes inside `dst`'s mapping (the
-        // caller's guarantee); both are ours and unused, so the pages move over `dst`'s there.
-        let m = unsafe {
-            libc::mremap(
-                src.as_ptr().sub(lead).cast(),
-                span,
-                span,
-                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-                dst.as_ptr().sub(lead).add(offset).cast::<libc::c_void>(),
-            )
-        };
-        if m == libc::MAP_FAILED {
-            return Err(BackendError::last_os("mremap", src_len));
-        }
-        Ok(())
-    }
-
-    /// # Safety
-    /// As for [`Backend::split_block`].
-    unsafe fn split_block(
-        &self,
-        ptr: NonNull<u8>,
-        len: usize,
-        head: usize,
-    ) -> Result<Option<(NonNull<u8>, usize)>, BackendError> {
-        let lead = own_mapping_lead();
-        // SAFETY: a live block of ours (the caller's guarantee): its tag is readable.
-        let own = unsafe { is_own_mapping(ptr) };
-        let whole = self.block_len(len) == len && self.block_len(head) == head;
-        if !own || head >= len || !whole || !self.block_resizable(head) {
-            return Err(BackendError::refused("split_block", len, "no mapping of its own, or no whole pages"));
-        }
-        // The block's mapping is `[ptr - lead, ptr + len)`, whole pages: its first `head + lead`
-        // bytes stay with it, and the rest, from `ptr + head` (a page boundary), is a mapping of
-        // a block of its own, whose header ends that mapping's first page.
-        let rest = len - head;
-        // SAFETY: `ptr + head` lies inside the block's mapping (`head < len`).
-        let tail = unsafe { ptr.add(head) };
-        if rest >= lead + OWN_MAPPING_MIN {
-            // SAFETY: `tail + lead` lies inside the rest (`rest > lead`), its tag in front of it.
-            let block = unsafe { tail.add(lead) };
-            // SAFETY: the rest's first page is ours; the tag word lies in it.
-            unsafe { tag_own_mapping(block) };
-            return Ok(Some((block, rest - lead)));
-        }
-        // SAFETY: the rest is whole pages of the block's own mapping, given up by the caller.
-        unsafe { libc::munmap(tail.as_ptr().cast(), rest) };
-        Ok(None)
-    }
-
-    /// # Safety
-    /// As for [`Backend::resize_block`].
-    unsafe fn resize_block(
-        &self,
-        ptr: NonNull<u8>,
-        old_len: usize,
-        new_len: usize,
-    ) -> Result<NonNull<u8>, BackendError> {
-        // SAFETY: a live block of ours (the caller's guarantee): its tag is readable.
-        if !self.block_resizable(old_len) || !self.block_resizable(new_len) || !unsafe { is_own_mapping(ptr) } {
-            return Err(BackendError::refused("mremap", new_len, "a block of the C heap"));
-        }
-        let lead = own_mapping_lead();
-        let (old_map, new_map) = match (own_mapping_len(old_len), own_mapping_len(new_len)) {
-            (Some(o), Some(n)) => (o, n),
-            _ => return Err(BackendError::refused("mremap", new_len, "more than an address space holds")),
-        };
-        // SAFETY: `ptr - lead` starts the whole mapping of `old_map` bytes that `own_mapping`
-        // made for this block (the caller's guarantee); nothing refers to it, so it may move.
-        let m = unsafe { libc::mremap(ptr.as_ptr().sub(lead).cast(), old_map, new_map, libc::MREMAP_MAYMOVE) };
-        if m == libc::MAP_FAILED {
-            return Err(BackendError::last_os("mremap", new_len));
-        }
-        if new_len >= HUGE_PAGE_THRESHOLD && old_len < HUGE_PAGE_THRESHOLD {
-            // SAFETY: advice on our own mapping, as a new block of this length gets; failure (no
-            // THP support) is harmless.
-            unsafe { libc::madvise(m, new_map, libc::MADV_HUGEPAGE) };
-        }
-        // SAFETY: the block starts `lead` bytes into its mapping, wherever that now lies.
-        Ok(unsafe { NonNull::new_unchecked(m.cast::<u8>().add(lead)) })
-    }
-}
-
-/// Blocks of at least this many bytes from [`AnonymousMemory`] are mappings of their own rather
-/// than the C heap's (where the system maps no more, the C heap's): at that size glibc maps them
-/// on their own too (until its threshold has risen past them), and a mapping of our own can be
-/// cut, resized and gathered with its pages ([`Backend::split_block`], [`Backend::resize_block`],
-/// [`Backend::absorb_block`]), so that what a cycle freed serves its other sizes without faults.
-pub const OWN_MAPPING_MIN: usize = 128 << 10;
-
-/// Where a block starts in a mapping of its own: its header fills the end of the first page and
-/// its data starts on the second, on a page as the arena's large blocks do.
-fn own_mapping_lead() -> usize {
-    page_size() - HEADER
-}
-
-/// The length of the mapping that holds a block of `len` bytes, or None when that overflows.
-fn own_mapping_len(len: usize) -> Option<usize> {
-    checked_round_to_page(len.checked_add(own_mapping_lead())?)
-}
-
-/// A block of `len` bytes ([`OWN_MAPPING_MIN`] or more) in an anonymous mapping of its own:
-/// zero-filled, faulted in as it is touched, with huge-page advice where it is large.
-fn own_mapping(len: usize) -> Result<NonNull<u8>, BackendError> {
-    let map_len = own_mapping_len(len).ok_or(BackendError::refused("mmap", len, "more than an address space holds"))?;
-    let m = mmap_checked(map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)?;
-    if len >= HUGE_PAGE_THRESHOLD {
-        // SAFETY: advice on our own fresh mapping; failure (no THP support) is harmless.
-        unsafe { libc::madvise(m.as_ptr().cast(), map_len, libc::MADV_HUGEPAGE) };
-    }
-    // SAFETY: `lead < map_len`: the block lies inside the mapping; 64-aligned, as the page is.
-    let block = unsafe { m.add(own_mapping_lead()) };
-    // SAFETY: the tag word lies in the mapping's first page, ours.
-    unsafe { tag_own_mapping(block) };
-    Ok(block)
-}
-
-/// The tag in the word in front of a block of a mapping of its own; a block of the C heap has
-/// the distance back to its allocation's start there, which is never this.
-const OWN_MAPPING_TAG: usize = usize::MAX;
-
-/// Marks `block` as one of a mapping of its own.
-///
-/// # Safety
-/// The word in front of `block` is writable memory of ours.
-unsafe fn tag_own_mapping(block: NonNull<u8>) {
-    // SAFETY: the caller's guarantee; the word is 8-aligned (blocks are 64-aligned).
-    unsafe { block.as_ptr().sub(C_HEAP_TAG).cast::<usize>().write(OWN_MAPPING_TAG) };
-}
-
-/// Whether `block` (of [`AnonymousMemory`]) lies in a mapping of its own rather than the C heap.
-///
-/// # Safety
-/// `block` is a live block of [`AnonymousMemory`]: the word in front of it is its tag.
-unsafe fn is_own_mapping(block: NonNull<u8>) -> bool {
-    // SAFETY: the caller's guarantee.
-    unsafe { block.as_ptr().sub(C_HEAP_TAG).cast::<usize>().read() == OWN_MAPPING_TAG }
-}
-
-/// Unmaps a block made by [`own_mapping`] (or resized since to `len` bytes).
-///
-/// # Safety
-/// `ptr` is such a block of `len` bytes, not released before, that nothing uses any more.
-unsafe fn release_own_mapping(ptr: NonNull<u8>, len: usize) {
-    let map_len = own_mapping_len(len).expect("the mapping was made with this length");
-    // SAFETY: the caller's guarantee: `ptr - lead` starts the block's whole mapping.
-    unsafe { libc::munmap(ptr.as_ptr().sub(own_mapping_lead()).cast(), map_len) };
 }
 
 /// Bytes in front of a C-heap block that record where its allocation starts.
@@ -1365,81 +1081,6 @@ impl Backend for LimitAdaptor {
         self.upstream.populate(ptr, len);
     }
 
-    fn block_resizable(&self, len: usize) -> bool {
-        self.upstream.block_resizable(len)
-    }
-
-    fn block_len(&self, len: usize) -> usize {
-        self.upstream.block_len(len)
-    }
-
-    fn block_span(&self, len: usize) -> usize {
-        self.upstream.block_span(len)
-    }
-
-    /// The block absorbed is gone: its bytes are no longer held (the other's were held already).
-    ///
-    /// # Safety
-    /// As for [`Backend::absorb_block`].
-    unsafe fn absorb_block(
-        &self,
-        dst: NonNull<u8>,
-        dst_len: usize,
-        offset: usize,
-        src: NonNull<u8>,
-        src_len: usize,
-    ) -> Result<(), BackendError> {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.absorb_block(dst, dst_len, offset, src, src_len) }?;
-        self.segment(Action::SegmentFree, src, src_len);
-        self.held.fetch_sub(src_len, Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// The two blocks hold no more than the one did (the rest's header takes some of it).
-    ///
-    /// # Safety
-    /// As for [`Backend::split_block`].
-    unsafe fn split_block(
-        &self,
-        ptr: NonNull<u8>,
-        len: usize,
-        head: usize,
-    ) -> Result<Option<(NonNull<u8>, usize)>, BackendError> {
-        // SAFETY: forwarded with the caller's guarantee.
-        let tail = unsafe { self.upstream.split_block(ptr, len, head) }?;
-        let kept = head + tail.map_or(0, |(_, n)| n);
-        self.held.fetch_sub(len.saturating_sub(kept), Ordering::Relaxed);
-        self.segment(Action::SegmentFree, ptr, len);
-        self.segment(Action::SegmentAlloc, ptr, head);
-        if let Some((at, n)) = tail {
-            self.segment(Action::SegmentAlloc, at, n);
-        }
-        Ok(tail)
-    }
-
-    /// The growth passes the limit as a block of its own would; a shrink gives its bytes back.
-    ///
-    /// # Safety
-    /// As for [`Backend::resize_block`].
-    unsafe fn resize_block(
-        &self,
-        ptr: NonNull<u8>,
-        old_len: usize,
-        new_len: usize,
-    ) -> Result<NonNull<u8>, BackendError> {
-        let grow = new_len.saturating_sub(old_len);
-        self.reserve("resize_block", grow)?;
-        // SAFETY: forwarded with the caller's guarantee.
-        let at = unsafe { self.upstream.resize_block(ptr, old_len, new_len) }.inspect_err(|_| {
-            self.held.fetch_sub(grow, Ordering::Relaxed);
-        })?;
-        self.held.fetch_sub(old_len.saturating_sub(new_len), Ordering::Relaxed);
-        self.segment(Action::SegmentFree, ptr, old_len);
-        self.segment(Action::SegmentAlloc, at, new_len);
-        Ok(at)
-    }
-
     fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
         self.reserve("alloc_block", len)?;
         let at = self.upstream.alloc_block_zeroed(len).inspect_err(|_| {
@@ -1452,10 +1093,10 @@ impl Backend for LimitAdaptor {
     forward_data_access!();
 }
 
-/// Fails chosen calls of `map`, `alloc_block` and `resize_block` on its upstream with the error
-/// the system would report (`ENOMEM`, `ENOSPC` ...): failure injection for tests. Calls are
-/// counted from 1 across the three; [`FaultAdaptor::fail_nth`] fails one call,
-/// [`FaultAdaptor::fail_every`] every `n`th. `unmap`, `free_block` and the rest pass through.
+/// Fails chosen calls of `map` and `alloc_block` on its upstream with the error the system would
+/// report (`ENOMEM`, `ENOSPC` ...): failure injection for tests. Calls are counted from 1 across
+/// both methods; [`FaultAdaptor::fail_nth`] fails one call, [`FaultAdaptor::fail_every`] every
+/// `n`th. `unmap`, `free_block` and the rest pass through.
 #[derive(Debug)]
 pub struct FaultAdaptor {
     upstream: Arc<dyn Backend>,
@@ -1491,7 +1132,7 @@ impl FaultAdaptor {
         }
     }
 
-    /// Calls of `map`, `alloc_block` and `resize_block` so far.
+    /// Calls of `map` and `alloc_block` so far.
     pub fn calls(&self) -> u64 {
         self.calls.load(Ordering::Relaxed)
     }
@@ -1554,59 +1195,6 @@ impl Backend for FaultAdaptor {
         self.upstream.discard(ptr, len);
     }
 
-    fn block_resizable(&self, len: usize) -> bool {
-        self.upstream.block_resizable(len)
-    }
-
-    fn block_len(&self, len: usize) -> usize {
-        self.upstream.block_len(len)
-    }
-
-    fn block_span(&self, len: usize) -> usize {
-        self.upstream.block_span(len)
-    }
-
-    /// # Safety
-    /// As for [`Backend::absorb_block`].
-    unsafe fn absorb_block(
-        &self,
-        dst: NonNull<u8>,
-        dst_len: usize,
-        offset: usize,
-        src: NonNull<u8>,
-        src_len: usize,
-    ) -> Result<(), BackendError> {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.absorb_block(dst, dst_len, offset, src, src_len) }
-    }
-
-    /// # Safety
-    /// As for [`Backend::split_block`].
-    unsafe fn split_block(
-        &self,
-        ptr: NonNull<u8>,
-        len: usize,
-        head: usize,
-    ) -> Result<Option<(NonNull<u8>, usize)>, BackendError> {
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.split_block(ptr, len, head) }
-    }
-
-    /// Counted, and failed, as `alloc_block` is.
-    ///
-    /// # Safety
-    /// As for [`Backend::resize_block`].
-    unsafe fn resize_block(
-        &self,
-        ptr: NonNull<u8>,
-        old_len: usize,
-        new_len: usize,
-    ) -> Result<NonNull<u8>, BackendError> {
-        self.check("resize_block", new_len)?;
-        // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.upstream.resize_block(ptr, old_len, new_len) }
-    }
-
     forward_data_access!();
 }
 
@@ -1662,99 +1250,6 @@ mod tests {
         let named = std::env::temp_dir().join(format!("rustws-test-{}.bin", std::process::id()));
         exercise(&FileMappedMemory::new(&named));
         let _ = std::fs::remove_file(named);
-    }
-
-    /// Blocks of their own mapping split without a copy, grow and shrink with their contents,
-    /// and a limit in front of them holds exactly what they hold, back to nothing.
-    #[test]
-    #[cfg_attr(miri, ignore = "Miri models no mremap")]
-    fn own_mapping_blocks_split_and_resize_with_their_pages() {
-        let limit = LimitAdaptor::new(Arc::new(AnonymousMemory), usize::MAX);
-        assert!(!limit.block_resizable(OWN_MAPPING_MIN - 1) && limit.block_resizable(OWN_MAPPING_MIN));
-        let len = limit.block_len(6 << 20);
-        assert!(len >= 6 << 20 && len - (6 << 20) < page_size(), "whole pages: {len}");
-        assert_eq!(limit.block_len(len), len);
-        let p = limit.alloc_block(len).unwrap();
-        assert_eq!((p.as_ptr() as usize + HEADER) % LARGE_DATA_ALIGN, 0, "data on a page");
-        let fill = |q: NonNull<u8>, n: usize, seed: u8| {
-            // SAFETY: `q` is a live block of at least `n` bytes, ours.
-            let s = unsafe { std::slice::from_raw_parts_mut(q.as_ptr(), n) };
-            s.iter_mut().enumerate().for_each(|(i, b)| *b = seed.wrapping_add((i / 4096) as u8));
-        };
-        let check = |q: NonNull<u8>, n: usize, seed: u8| {
-            // SAFETY: as for `fill`.
-            let s = unsafe { std::slice::from_raw_parts(q.as_ptr(), n) };
-            assert!(s.iter().enumerate().all(|(i, &b)| b == seed.wrapping_add((i / 4096) as u8)));
-        };
-        fill(p, len, 1);
-        assert_eq!(limit.held(), len);
-
-        // Split: the head keeps its bytes where they were; the rest is a block of its own.
-        let head = limit.block_len(2 << 20);
-        // SAFETY: a live block of `len` bytes, both lengths block lengths, `head < len`.
-        let (tail, tail_len) = unsafe { limit.split_block(p, len, head) }.unwrap().expect("room for a block");
-        assert_eq!(tail.as_ptr() as usize, p.as_ptr() as usize + head + own_mapping_lead());
-        assert_eq!(limit.block_len(tail_len), tail_len);
-        assert_eq!(limit.held(), head + tail_len, "the rest's header takes a page's worth");
-        check(p, head, 1);
-        fill(tail, tail_len, 9);
-
-        // Grow the head past its old end (it moves); shrink the tail; both keep their bytes.
-        let grown = limit.block_len(10 << 20);
-        // SAFETY: a live block of `head` bytes; resizable lengths.
-        let q = unsafe { limit.resize_block(p, head, grown) }.unwrap();
-        check(q, head, 1);
-        fill(q, grown, 3);
-        let mid = limit.block_len(OWN_MAPPING_MIN + OWN_MAPPING_MIN / 2);
-        // SAFETY: a live block of `tail_len` bytes; resizable lengths.
-        let t = unsafe { limit.resize_block(tail, tail_len, mid) }.unwrap();
-        check(t, mid, 9);
-        assert_eq!(limit.held(), grown + mid);
-
-        // A split whose rest is too small for a block gives the rest back.
-        let short = limit.block_len(OWN_MAPPING_MIN);
-        // SAFETY: a live block of `mid` bytes, `short < mid`, block lengths.
-        assert!(unsafe { limit.split_block(t, mid, short) }.unwrap().is_none());
-        check(t, short, 9);
-        assert_eq!(limit.held(), grown + short);
-        // A C-heap length is not resized.
-        // SAFETY: the block is live; the refusal leaves it as it was.
-        assert!(unsafe { limit.resize_block(t, short, OWN_MAPPING_MIN - 4096) }.is_err());
-        assert_eq!(limit.held(), grown + short);
-        // Absorb: a new block takes in the pages of another at a page offset into its span; the
-        // other is gone, and its bytes with it from what the limit holds.
-        let big = limit.block_len(8 << 20);
-        let d = limit.alloc_block(big).unwrap();
-        let at = 2 * page_size();
-        // SAFETY: live blocks of resizable block lengths; `at` is page-aligned and the span of
-        // `short` fits from there.
-        unsafe { limit.absorb_block(d, big, at, t, short) }.unwrap();
-        // SAFETY: `d + at` lies inside `d`'s span, `short` bytes from it inside the block.
-        check(unsafe { NonNull::new_unchecked(d.as_ptr().add(at)) }, short, 9);
-        assert_eq!(limit.held(), grown + big);
-
-        // A block of that length from the C heap (where the system maps no more) is refused
-        // every change, and freed as the C heap's.
-        let heap = c_heap_block(big, false).unwrap();
-        fill(heap, big, 4);
-        let small = AnonymousMemory.alloc_block(short).unwrap();
-        // SAFETY: live blocks of these lengths, whose spans fit where they would go; each
-        // refusal leaves them as they were.
-        unsafe {
-            assert!(AnonymousMemory.split_block(heap, big, short).is_err());
-            assert!(AnonymousMemory.resize_block(heap, big, grown).is_err());
-            assert!(AnonymousMemory.absorb_block(d, big, 0, heap, big).is_err());
-            assert!(AnonymousMemory.absorb_block(heap, big, 0, small, short).is_err());
-        }
-        check(heap, big, 4);
-        // SAFETY: live blocks of these lengths, each released once.
-        unsafe {
-            AnonymousMemory.free_block(small, short);
-            AnonymousMemory.free_block(heap, big);
-            limit.free_block(q, grown);
-            limit.free_block(d, big);
-        }
-        assert_eq!(limit.held(), 0);
     }
 
     #[test]

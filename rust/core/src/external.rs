@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use crate::arena::{write_live_header, BlockHeader, BlockKind, HEADER, MAGIC_FREE};
 use crate::backend::Backend;
-use crate::classes::{class_size, floor_class, ClassSet, CLASSES};
+use crate::classes::{floor_class, ClassSet, CLASSES};
 use crate::error::BackendError;
 use crate::fallible::try_box;
 use crate::learner::NEED_WINDOW;
@@ -92,10 +92,6 @@ struct BlockCache {
     /// Slot bytes of the cached blocks.
     bytes: usize,
 }
-
-/// The most cached blocks one new block takes the pages of ([`OwnBlocks::reshape_cached`]): each
-/// is a system call, and a mapping of the system's more (which it counts).
-const GATHER_PIECES: usize = 32;
 
 /// Bytes of blocks of classes that did not recur the external cache keeps inside a cycle when a
 /// new block is made (and what it may always keep between cycles): cached blocks of classes a
@@ -338,153 +334,6 @@ impl OwnBlocks {
         (p, slot)
     }
 
-    /// A block for a request of `size` bytes in a slot of `slot` bytes (a [`Backend::block_len`])
-    /// made of cached blocks, in place of a new block, where the backend resizes its blocks with
-    /// their pages: the smallest cached block that holds `slot` keeps its first `slot` bytes and
-    /// its rest stays cached as a block of its own ([`Backend::split_block`]); where none holds
-    /// it, a new block takes in the pages of the largest cached blocks ([`Backend::absorb_block`]).
-    /// What a cycle of changing sizes freed serves its next sizes, resident, as a page heap
-    /// reuses freed pages across sizes: only what lies beyond the cache faults, and the cache
-    /// holds no more than it did. None: nothing cached is resizable, or the backend or the limit
-    /// refused (what was cached stays cached).
-    pub fn reshape_cached(&mut self, size: usize, slot: usize, generation: u64) -> Option<NonNull<u8>> {
-        let resizable = |c: &usize| self.backend.block_resizable(class_size(*c) + HEADER);
-        if !self.inline
-            || !self.backend.block_resizable(slot)
-            || self.backend.block_len(slot) != slot
-            || self.cache.nonempty.iter_desc().next().filter(resizable).is_none()
-        {
-            return None;
-        }
-        // Room in the table for the new block and a rest before anything changes.
-        self.table.try_reserve(2).ok()?;
-        let want = floor_class(slot - HEADER)?;
-        let at = match self.cache.nonempty.next_from(want).filter(resizable) {
-            Some(class) => self.cut_cached(class, slot)?,
-            None => self.gather_cached(slot)?,
-        };
-        // SAFETY: `at` starts the block of `slot >= HEADER` bytes, 64-aligned, ours.
-        let q = unsafe { write_live_header(at, BlockKind::External, self.owner, 0, slot, size, generation) };
-        // SAFETY: its header sits in front of it, readable until it leaves the table; room was
-        // reserved above.
-        unsafe { self.register(q) };
-        Some(q)
-    }
-
-    /// Takes the first cached block of `class` off the cache and the table (it is ours alone
-    /// then): where it starts (its header), its length and when its class was last used.
-    fn unlist_cached(&mut self, class: usize) -> (NonNull<u8>, usize, u64) {
-        let (p, len) = self.pop(class);
-        let h = self.table.remove(&(p.as_ptr() as usize)).expect("a cached block is listed");
-        // Its data may move or be cut: the sanitizer's record of it goes, as at a release.
-        unpoison(p.as_ptr(), len - HEADER);
-        (h.cast(), len, self.cache.used[class])
-    }
-
-    /// Caches the block starting at `at` of `len` bytes anew (a rest, or a block put back).
-    ///
-    /// # Safety
-    /// `at` starts a block of ours of `len >= HEADER` bytes, 64-aligned, that nothing refers to
-    /// and that is in no list; the table has room for it.
-    unsafe fn recache(&mut self, at: NonNull<u8>, len: usize, used: u64) {
-        // SAFETY: the caller's guarantee.
-        unsafe {
-            let q = write_live_header(at, BlockKind::External, self.owner, 0, len, 0, used);
-            self.register(q);
-            self.put_cached(q, len, used);
-        }
-    }
-
-    /// The cached block of `class` (which holds `slot` bytes, or a page less) cut to `slot`
-    /// bytes, its rest cached (or grown the page). None: the backend refused (it stays cached).
-    fn cut_cached(&mut self, class: usize, slot: usize) -> Option<NonNull<u8>> {
-        let (at, len, used) = self.unlist_cached(class);
-        if len > slot {
-            // SAFETY: a block of ours that nothing refers to, of `len` bytes; both lengths are
-            // block lengths of resizable blocks, `slot < len`.
-            match unsafe { self.backend.split_block(at, len, slot) } {
-                Ok(rest) => {
-                    if let Some((r, n)) = rest {
-                        // SAFETY: the rest, a block of its own now; the table has room (reserved
-                        // by the caller, and one entry freed above).
-                        unsafe { self.recache(r, n, used) };
-                    }
-                    return Some(at);
-                }
-                Err(_) => {
-                    // SAFETY: unchanged; the table has room for it again.
-                    unsafe { self.recache(at, len, used) };
-                    return None;
-                }
-            }
-        }
-        // SAFETY: as above; resizable lengths both.
-        match unsafe { self.backend.resize_block(at, len, slot) } {
-            Ok(at) => Some(at),
-            Err(_) => {
-                // SAFETY: unchanged; the table has room for it again.
-                unsafe { self.recache(at, len, used) };
-                None
-            }
-        }
-    }
-
-    /// A new block of `slot` bytes that takes in the pages of the largest cached blocks (none
-    /// of which holds `slot`; at most [`GATHER_PIECES`]), the last cut to what room is left; the
-    /// rest of it faults in as it is touched. None: the backend or the limit refused the new block.
-    fn gather_cached(&mut self, slot: usize) -> Option<NonNull<u8>> {
-        let dst = self.backend.alloc_block(slot).ok()?;
-        let span = self.backend.block_span(slot);
-        // Bytes of a block's span that are not its length (its header room).
-        let lead = span - slot;
-        let mut filled = 0;
-        for _ in 0..GATHER_PIECES {
-            let top = self.cache.nonempty.iter_desc().next();
-            let Some(class) = top else { break };
-            let room = span - filled;
-            let fits = room.checked_sub(lead).filter(|&n| self.backend.block_resizable(n));
-            if !self.backend.block_resizable(class_size(class) + HEADER) || fits.is_none() {
-                break;
-            }
-            if self.table.try_reserve(2).is_err() {
-                break;
-            }
-            let (at, mut len, used) = self.unlist_cached(class);
-            if self.backend.block_span(len) > room {
-                let head = room - lead;
-                // SAFETY: a block of ours that nothing refers to; `head < len` (its span is
-                // larger than the room), and the backend refuses lengths that are no block
-                // lengths.
-                match unsafe { self.backend.split_block(at, len, head) } {
-                    Ok(rest) => {
-                        if let Some((r, n)) = rest {
-                            // SAFETY: the rest, a block of its own now; the table has room.
-                            unsafe { self.recache(r, n, used) };
-                        }
-                        len = head;
-                    }
-                    Err(_) => {
-                        // SAFETY: unchanged; the table has room for it again.
-                        unsafe { self.recache(at, len, used) };
-                        break;
-                    }
-                }
-            }
-            // SAFETY: `dst` is a live block of ours of `slot` bytes and `at` a block of `len`
-            // bytes that nothing refers to, both resizable; `filled` is a multiple of the page
-            // (spans are whole pages) and `filled + span(len) <= span`.
-            match unsafe { self.backend.absorb_block(dst, slot, filled, at, len) } {
-                Ok(()) => filled += self.backend.block_span(len),
-                Err(_) => {
-                    // SAFETY: unchanged; the table has room for it again.
-                    unsafe { self.recache(at, len, used) };
-                    break;
-                }
-            }
-        }
-        Some(dst)
-    }
-
     /// Keeps a freed external block of `slot` bytes for reuse, on the cache's list of its class.
     ///
     /// # Safety
@@ -521,20 +370,10 @@ impl OwnBlocks {
 
     /// Gives cached blocks back until at most `cold` bytes are cached, those of classes that did
     /// not recur since the last cycle end first (largest first), then any, down to `most`.
-    /// Blocks the backend resizes serve any size of their range ([`OwnBlocks::reshape_cached`]):
-    /// they count as recurring.
     pub fn shrink_cold(&mut self, cold: usize, most: usize) {
         while self.cache.bytes > cold {
             let recurring = &self.cache.recurring;
-            let backend = &self.backend;
-            let Some(class) = self
-                .cache
-                .nonempty
-                .iter_desc()
-                .find(|&c| !recurring.contains(c) && !backend.block_resizable(class_size(c) + HEADER))
-            else {
-                break;
-            };
+            let Some(class) = self.cache.nonempty.iter_desc().find(|&c| !recurring.contains(c)) else { break };
             self.release_one(class);
         }
         self.shrink_to(most.max(cold));

@@ -895,28 +895,12 @@ impl Workspace {
             let g = self.config.temp_block_size as usize;
             len = len.div_ceil(g).saturating_mul(g);
         }
-        // All the backend gives for it (whole pages of a mapping of its own): a block that can
-        // be split and resized (see `reshape_cached`).
-        len = self.limit.block_len(len);
-        let epoch = self.cycles.epoch;
-        if !req.zeroed && self.route.caches {
-            // A cached block of a size the cycle no longer asks for, resized with its pages: a
-            // cycle of changing sizes faults only what it grows by. (Zeroed requests take fresh
-            // memory, which is zero without being written.)
-            if let Some(p) = self.own.reshape_cached(req.size, len, epoch) {
-                self.accounts.count_external(req.size, len);
-                // A block that grew holds more than the cache gave: the cache keeps to what a
-                // new block would leave it.
-                let live = self.accounts.external_slot;
-                self.own.shrink_cold(SLACK, self.own.peaks.cache_budget(live));
-                return Ok(p);
-            }
-        }
         // Inside a cycle, before a new block is made, cached blocks of classes that did not recur
         // go back but for a small slack, and those that recur stay within the recent peak:
         // memory outside the arena stays within what lives there and what the cycle reuses.
         let live = self.accounts.external_slot.saturating_add(len);
         self.own.shrink_cold(SLACK, self.own.peaks.cache_budget(live));
+        let epoch = self.cycles.epoch;
         let p =
             self.within_limit(req.size, |ws| ws.own.new_block(BlockKind::External, req.size, len, req.zeroed, epoch))?;
         self.accounts.count_external(req.size, len);
