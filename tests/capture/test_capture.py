@@ -279,7 +279,7 @@ def test_a_first_cycle_of_changing_sizes_keeps_every_result():
     values, and what the workspace holds outside the arena, live and cached, stays within what
     the cycle had live at once."""
     rng = np.random.default_rng(3)
-    counts = (np.exp(rng.uniform(np.log(MiB // 8), np.log(24 * MiB // 8), 40))).astype(int)
+    counts = np.exp(rng.uniform(np.log(MiB // 8), np.log(24 * MiB // 8), 40)).astype(int)
     src = np.random.default_rng(4).random(int(counts.max()))
 
     def step(n):
