@@ -6,11 +6,14 @@ On a machine with a GPU (and PyTorch / CuPy where installed):
    ``torch.empty(device="cuda")`` and ``cupy.empty`` with their pools warm (median of interleaved
    rounds; goal: at most 0.5x their time);
 2. a PyTorch training step of an MLP under ``rustws.torch.use_workspace`` (every thread, and the
-   calling thread alone) against the caching allocator: median step time (interleaved rounds),
+   calling thread alone) against the caching allocator, plainly and in a ``torch.cuda.MemPool`` of its
+   own entered each step as ours is: median step time (interleaved rounds),
    and, each variant in a fresh process, the peak reserved memory and the device memory 10 steps
    add (goal: at most 1.00x the time, no more memory), and whether all give the same losses;
 3. a CuPy loop with ``cupy.cuda.set_allocator(rustws.cupy.allocator(ws))`` against CuPy's
-   ``MemoryPool``: median time per iteration and the memory each holds afterwards.
+   ``MemoryPool``: median time per iteration and the memory each holds afterwards;
+4. the CuPy allocator per call (a 4 MiB block allocated and released) against
+   ``MemoryPool.malloc``, and the parts of its cost.
 
 With ``--standin`` (any machine) it times the host side of (1) alone: a device workspace over the
 host stand-in against ``np.empty`` (goal: at most 1.0x its time). Arena allocations of a device
@@ -104,7 +107,12 @@ def bench_empty(rounds: int, n: int) -> dict[str, Any]:
     return out
 
 
-TORCH_VARIANTS = ("caching allocator", "rustws.torch.use_workspace", "use_workspace(all_threads=False)")
+TORCH_VARIANTS = (
+    "caching allocator",
+    "rustws.torch.use_workspace",
+    "use_workspace(all_threads=False)",
+    "caching allocator in use_mem_pool",
+)
 
 
 def torch_trainer(variant: str) -> tuple[Any, Any]:
@@ -133,6 +141,11 @@ def torch_trainer(variant: str) -> tuple[Any, Any]:
     cfg = rustws.WorkspaceConfiguration(policy_mirroring="DISABLED")
     if variant == TORCH_VARIANTS[0]:
         return step, contextlib.nullcontext
+    if variant == TORCH_VARIANTS[3]:
+        # PyTorch's own pool block, routed as use_workspace(all_threads=False) routes: what
+        # entering a pool for each step costs PyTorch itself, whoever serves the pool.
+        pool = torch.cuda.MemPool()
+        return step, lambda: torch.cuda.use_mem_pool(pool)
     ws = rustws.workspace(variant, cfg, device="cuda:0")
     all_threads = variant == TORCH_VARIANTS[1]
     return step, lambda: rustws.torch.use_workspace(ws, all_threads=all_threads)
@@ -191,8 +204,20 @@ def bench_torch_step(rounds: int) -> dict[str, Any]:
             times[v].append(steps(v, 20))
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med[TORCH_VARIANTS[0]]
+
+    def enter_and_exit(variant: str) -> Any:
+        under = trainers[variant][1]
+
+        def block() -> None:
+            with under():
+                pass
+
+        return block
+
+    blocks = interleaved({v: enter_and_exit(v) for v in TORCH_VARIANTS}, rounds, 2_000)
     return {
         "step_ms": {k: v * 1e3 for k, v in med.items()},
+        "empty_block_us": {k: v * 1e6 for k, v in blocks.items()},
         "time_ratio_over_caching": {k: v / base for k, v in med.items() if k != TORCH_VARIANTS[0]},
         "fresh_process_memory": {k: {n: m[n] for n in m if n != "losses"} for k, m in memory.items()},
         "peak_reserved_ratio_over_caching": {
@@ -284,6 +309,35 @@ def bench_cupy_loop(rounds: int) -> dict[str, Any]:
     }
 
 
+def bench_cupy_allocator_call(rounds: int) -> dict[str, Any]:
+    """One 4 MiB allocation and its release per call: ``rustws.cupy.allocator(ws)`` in an open
+    cycle against ``MemoryPool.malloc``, and the parts of ours (the workspace block, the stream
+    lookup, CuPy's pointer objects)."""
+    import cupy
+
+    config = rustws.WorkspaceConfiguration(policy_mirroring="DISABLED")
+    ws = rustws.workspace("CUPY-CALL", config, device="cuda:0")
+    pool = cupy.cuda.MemoryPool()
+    ours = rustws.cupy.allocator(ws)
+    size = 4 << 20
+    memory = cupy.cuda.memory
+    variants = {
+        "MemoryPool.malloc": lambda: pool.malloc(size),
+        "rustws.cupy.allocator": lambda: ours(size),
+        "part: workspace block": lambda: ws._buffer(size),
+        "part: get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
+        "part: UnownedMemory + MemoryPointer": lambda: memory.MemoryPointer(
+            memory.UnownedMemory(1 << 40, size, None, 0), 0
+        ),
+    }
+    with ws:
+        med = interleaved(variants, rounds, 20_000)
+    return {
+        "per_call_ns": {k: v * 1e9 for k, v in med.items()},
+        "ratio_rustws_over_pool": med["rustws.cupy.allocator"] / med["MemoryPool.malloc"],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
@@ -316,6 +370,7 @@ def main() -> int:
             results["cupy_loop"] = "CuPy is not installed"
         else:
             results["cupy_loop"] = bench_cupy_loop(max(3, args.rounds // 3))
+            results["cupy_allocator_call"] = bench_cupy_allocator_call(max(3, args.rounds // 2))
     text = json.dumps(results, indent=2, default=str)
     print(text)
     if args.out:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device checks, on a machine with an NVIDIA GPU and its driver (PyTorch and CuPy where
-# installed): the real-GPU tests, the whole Python suite, the device benchmarks, and the device
-# tests under compute-sanitizer's memcheck where it is installed. Every log goes to OUTDIR.
+# installed): the real-GPU tests, the device benchmarks, the device tests under compute-sanitizer's
+# memcheck where it is installed, and the whole Python suite (limited to SUITE_TIMEOUT seconds).
+# Every log goes to OUTDIR.
 #
 #     bash scripts/gpu.sh OUTDIR [WHEEL]
 #
@@ -44,7 +45,6 @@ PY
 } >"$OUTDIR/info.log" 2>&1
 
 run test_cuda "$PY" -m pytest -p no:cacheprovider tests/devices/test_cuda.py -v -rs
-run suite "$PY" -m pytest -p no:cacheprovider tests -q -rs --ignore tests/devices/test_cuda.py
 run bench "$PY" benches/gpu.py --out "$OUTDIR/gpu.json"
 # Under memcheck, less the test that asks the driver for 1 PiB: the sanitizer reports the refusal
 # that the test provokes (an API error, not a memory error).
@@ -55,4 +55,7 @@ if command -v compute-sanitizer >/dev/null; then
 else
     echo "compute-sanitizer is not installed: no memcheck run" | tee "$OUTDIR/memcheck.log"
 fi
+# The whole suite last: it needs the GPU least, and a lease that runs short still has the rest.
+run suite timeout "${SUITE_TIMEOUT:-600}" "$PY" -m pytest -p no:cacheprovider tests -q -rs \
+    --ignore tests/devices/test_cuda.py
 exit $failed

@@ -32,10 +32,19 @@ def test_a_pipe_gets_a_few_plain_lines():
     assert lines[-1] == "bench: 50/50 (100%) W1 run 50"
 
 
-def test_a_terminal_gets_a_bar_redrawn_in_place():
+def test_a_terminal_gets_a_bar_redrawn_in_place(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # without tqdm: the bar of our own, every step
     out = _run(Terminal())
     assert out.count("\r") >= 50 and out.endswith("\n")
     assert "50/50" in out
+
+
+def test_a_terminal_gets_tqdms_bar_where_tqdm_is_installed():
+    pytest.importorskip("tqdm", reason="tqdm is not installed (pip install 'rustws[progress]')")
+    out = _run(Terminal())
+    # tqdm redraws at most every tenth of a second: the last draw, at least, is in place.
+    assert out.count("\r") >= 2 and out.endswith("\n")
+    assert "50/50" in out.rsplit("\r", 1)[-1] and "W1 run 50" in out
 
 
 def test_quiet_prints_nothing():
