@@ -352,17 +352,16 @@ class Workspace(_rustws.WorkspaceCore):
         return type(self).full(self, shape, 1, np.dtype(dtype), order)
 
     def _like(self, a: Any, dtype: Any, order: str, subok: bool, shape: Any, fill: Any) -> Any:
-        """NumPy's ``*_like``: ``fill`` is None (empty), 0 (zeros) or the fill value."""
+        """NumPy's ``empty_like`` (``fill`` None) and ``zeros_like`` (``fill`` 0) past the
+        bindings' fast path."""
         proto = a if isinstance(a, np.ndarray) else _as_ndarray(a)
         dt = proto.dtype if dtype is None else np.dtype(dtype)
         _refuse_objects(dt)
         o = order.upper() if isinstance(order, str) else order
         contiguous = proto.flags.c_contiguous or proto.flags.f_contiguous
         if (subok and type(proto) is not np.ndarray) or (o == "K" and not contiguous) or o not in "KACF":
-            out = self._numpy_here(np.empty_like, proto, dt, order, subok, shape)
-            if fill is not None:
-                np.copyto(out, fill, casting="unsafe")
-            return out
+            like = np.empty_like if fill is None else np.zeros_like
+            return self._numpy_here(like, proto, dt, order, subok, shape)
         shp = proto.shape if shape is None else shape
         if o in ("K", "A"):
             # As NumPy: "A" and "K" follow a Fortran-only prototype, "K" only at the same ndim.
@@ -370,11 +369,7 @@ class Workspace(_rustws.WorkspaceCore):
             if o == "K" and shape is not None:
                 fortran = fortran and (len(shp) if isinstance(shp, (tuple, list)) else 1) == proto.ndim
             o = "F" if fortran else "C"
-        if fill is None or (isinstance(fill, int) and fill == 0 and not isinstance(fill, bool)):
-            return self._ndarray(shp, dt, o, fill is not None)
-        out = self._ndarray(shp, dt, o)
-        np.copyto(out, fill, casting="unsafe")
-        return out
+        return self._ndarray(shp, dt, o, fill is not None)
 
     @overload
     def ones_like(
@@ -398,7 +393,7 @@ class Workspace(_rustws.WorkspaceCore):
         self, a: Any, dtype: Any = None, order: str = "K", subok: bool = True, shape: Any = None
     ) -> Any:
         """As ``np.ones_like``, over workspace memory."""
-        return self._like(a, dtype, order, subok, shape, 1)
+        return self._filled_like(a, dtype, order, subok, shape, 1)
 
     @overload
     def full_like(
@@ -430,7 +425,19 @@ class Workspace(_rustws.WorkspaceCore):
         shape: Any = None,
     ) -> Any:
         """As ``np.full_like``, over workspace memory."""
-        return self._like(a, dtype, order, subok, shape, fill_value)
+        return self._filled_like(a, dtype, order, subok, shape, fill_value)
+
+    def _filled_like(self, a: Any, dtype: Any, order: str, subok: bool, shape: Any, fill: Any) -> Any:
+        """As NumPy's ``ones_like`` and ``full_like``: ``empty_like`` (the bindings' fast path),
+        then ``copyto(..., casting="unsafe")``. A fill of integer zero into a numeric dtype is
+        ``zeros_like`` (fresh memory is not written); into strings it is ``"0"``, as NumPy's."""
+        if type(fill) is int and fill == 0:
+            dt = getattr(a, "dtype", None) if dtype is None else np.dtype(dtype)
+            if isinstance(dt, np.dtype) and dt.kind in "biufcmM":
+                return type(self).zeros_like(self, a, dtype, order, subok, shape)
+        out = type(self).empty_like(self, a, dtype, order, subok, shape)
+        np.copyto(out, fill, casting="unsafe")
+        return out
 
     def _asarray(
         self, a: ArrayLike, dtype: DTypeLike | None = None, order: OrderKACF | None = None

@@ -132,6 +132,40 @@ def test_like_functions_match_numpy_layouts(proto, order, shape, dtype):
                 assert (got == want).all()
 
 
+def _outcome(make, *args):
+    try:
+        return make(*args)
+    except Exception as e:  # NumPy's refusal, which the workspace must match
+        return type(e)
+
+
+_FILL_PROTOTYPES = {
+    "str": np.array(["ab", "cd"]),
+    "bytes": np.array([b"ab", b"cd"]),
+    "bool": np.array([True, False]),
+    "complex64": np.arange(3, dtype=np.complex64),
+    "datetime64": np.array(["2020-01-01", "2021-06-30"], dtype="datetime64[D]"),
+    "uint8": np.arange(4, dtype=np.uint8),
+    "masked str": np.ma.array(["ab", "cd"], mask=[False, True]),
+}
+
+
+@pytest.mark.parametrize("proto", _FILL_PROTOTYPES.values(), ids=_FILL_PROTOTYPES.keys())
+@pytest.mark.parametrize("fill", [0, 1, 0.0, True, -1, "7"], ids=repr)
+def test_like_functions_fill_every_dtype_as_numpy_does(proto, fill):
+    # A zero fill is no zeroed memory for strings ("0", not ""), and zeros_like of strings is "".
+    ws = rustws.workspace("FILL", CFG)
+    with ws:
+        for kind, args in (("zeros_like", (proto,)), ("ones_like", (proto,)), ("full_like", (proto, fill))):
+            got = _outcome(getattr(ws, kind), *args)
+            want = _outcome(getattr(np, kind), *args)
+            if isinstance(want, type):
+                assert got is want, (kind, got)
+                continue
+            assert type(got) is type(want) and got.dtype == want.dtype, kind
+            assert np.array_equal(np.asarray(got), np.asarray(want)), (kind, got, want)
+
+
 def test_ones_and_asarray():
     ws = rustws.workspace("NP", CFG)
     with ws:
