@@ -330,15 +330,10 @@ class Workspace(_rustws.WorkspaceCore):
         self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: str = "C"
     ) -> NDArray[Any]:
         """A new array over workspace memory filled with ``fill_value``."""
-        fill = np.asarray(fill_value)
         if dtype is None:
-            dtype = fill.dtype
+            dtype = np.asarray(fill_value).dtype
         a = self._ndarray(shape, dtype, order)
-        if fill.ndim == 0:
-            a.fill(fill_value)
-        else:
-            # As ``np.full``: an array fill value broadcasts to the shape.
-            np.copyto(a, fill, casting="unsafe")
+        _fill(a, fill_value)
         return a
 
     @overload
@@ -481,6 +476,23 @@ class Workspace(_rustws.WorkspaceCore):
         # ``owner`` still finds it while this object lives: its memory holds the remaining arrays.
 
     close = destroy
+
+
+def _fill(a: NDArray[Any], value: Any) -> None:
+    """Fills ``a`` as ``np.full`` does, ``copyto(a, value, casting="unsafe")`` (an array value
+    broadcasts; NaN into integers, complex into reals, datetimes into integers convert as NumPy
+    converts them); ``ndarray.fill``, which is quicker, where it gives the same: a Python int
+    into integers, a Python float into floating or complex numbers, a small Python int into those
+    (exact even in float16), a bool into bools."""
+    kind, t = a.dtype.kind, type(value)
+    if (
+        (t is int and (kind in "iu" or (kind in "fc" and -2048 <= value <= 2048)))
+        or (t is float and kind in "fc")
+        or (t is bool and kind == "b")
+    ):
+        a.fill(value)
+    else:
+        np.copyto(a, value, casting="unsafe")
 
 
 def _refuse_objects(dtype: np.dtype[Any]) -> None:

@@ -166,6 +166,37 @@ def test_like_functions_fill_every_dtype_as_numpy_does(proto, fill):
             assert np.array_equal(np.asarray(got), np.asarray(want)), (kind, got, want)
 
 
+def _same_array(got, want):
+    if type(got) is not type(want) or got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    if got.dtype.kind in "mM":  # NaT is unequal to itself
+        return np.array_equal(got.view("i8"), want.view("i8"))
+    return np.array_equal(got, want, equal_nan=got.dtype.kind in "fc")
+
+
+_DTYPES = [None, np.uint8, np.int32, np.int64, np.float16, np.float32, np.complex64, bool]
+_DTYPES += ["<U3", "S3", "M8[D]", "m8[s]"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::numpy.exceptions.ComplexWarning")
+@pytest.mark.parametrize("dtype", _DTYPES, ids=repr)
+def test_full_converts_every_fill_as_numpy_does(dtype):
+    # NaN, infinities and complex numbers into integers, datetimes into integers, out-of-range
+    # integers: whatever NumPy's unsafe copy makes of them, or the error it raises.
+    fills = [0, 1, -1, 300, -(2**63), 2049, 2.5, -0.0, np.nan, np.inf, 1e300, 1 + 2j, True, False]
+    fills += ["7", b"7", np.float64(2.5), np.int64(-1), np.datetime64("2020-01-01"), [1, 2], np.array(3)]
+    ws = rustws.workspace("FULL", CFG)
+    with ws:
+        for fill in fills:
+            for shape in [(2,), ()]:
+                got = _outcome(ws.full, shape, fill, dtype)
+                want = _outcome(np.full, shape, fill, dtype)
+                if isinstance(want, type) or isinstance(got, type):
+                    assert got is want, (fill, shape, got, want)
+                else:
+                    assert _same_array(got, want), (fill, shape, got, want)
+
+
 def test_ones_and_asarray():
     ws = rustws.workspace("NP", CFG)
     with ws:
