@@ -100,6 +100,7 @@ def _user_stacklevel() -> int:
 
 
 ShapeLike: TypeAlias = "SupportsIndex | Sequence[SupportsIndex]"
+OrderCF: TypeAlias = "str | None"
 Order: TypeAlias = 'Literal["C", "F"]'
 OrderKACF: TypeAlias = 'Literal["K", "A", "C", "F"]'
 _ScalarT = TypeVar("_ScalarT", bound=np.generic)
@@ -279,23 +280,27 @@ class Workspace(_rustws.WorkspaceCore):
         ) -> Any: ...
 
         @overload
-        def empty(self, shape: ShapeLike, dtype: None = None, order: str = "C") -> NDArray[np.float64]: ...
+        def empty(
+            self, shape: ShapeLike, dtype: None = None, order: OrderCF = "C"
+        ) -> NDArray[np.float64]: ...
         @overload
         def empty(
-            self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: str = "C"
+            self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: OrderCF = "C"
         ) -> NDArray[_ScalarT]: ...
         @overload
-        def empty(self, shape: ShapeLike, dtype: DTypeLike | None, order: str = "C") -> NDArray[Any]: ...
-        def empty(self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C") -> Any: ...
-        @overload
-        def zeros(self, shape: ShapeLike, dtype: None = None, order: str = "C") -> NDArray[np.float64]: ...
+        def empty(self, shape: ShapeLike, dtype: DTypeLike | None, order: OrderCF = "C") -> NDArray[Any]: ...
+        def empty(self, shape: ShapeLike, dtype: DTypeLike | None = None, order: OrderCF = "C") -> Any: ...
         @overload
         def zeros(
-            self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: str = "C"
+            self, shape: ShapeLike, dtype: None = None, order: OrderCF = "C"
+        ) -> NDArray[np.float64]: ...
+        @overload
+        def zeros(
+            self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: OrderCF = "C"
         ) -> NDArray[_ScalarT]: ...
         @overload
-        def zeros(self, shape: ShapeLike, dtype: DTypeLike | None, order: str = "C") -> NDArray[Any]: ...
-        def zeros(self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C") -> Any: ...
+        def zeros(self, shape: ShapeLike, dtype: DTypeLike | None, order: OrderCF = "C") -> NDArray[Any]: ...
+        def zeros(self, shape: ShapeLike, dtype: DTypeLike | None = None, order: OrderCF = "C") -> Any: ...
 
     def borrow(self) -> contextlib.AbstractContextManager[Workspace]:
         """Makes this workspace current (and capturing) without opening a new cycle. Entering and
@@ -327,7 +332,7 @@ class Workspace(_rustws.WorkspaceCore):
                 _rustws.set_handler(previous)
 
     def full(
-        self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: str = "C"
+        self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: OrderCF = "C"
     ) -> NDArray[Any]:
         """A new array over workspace memory filled with ``fill_value``."""
         if dtype is None:
@@ -338,11 +343,13 @@ class Workspace(_rustws.WorkspaceCore):
 
     @overload
     def ones(
-        self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: str = "C"
+        self, shape: ShapeLike, dtype: type[_ScalarT] | np.dtype[_ScalarT], order: OrderCF = "C"
     ) -> NDArray[_ScalarT]: ...
     @overload
-    def ones(self, shape: ShapeLike, dtype: DTypeLike | None = float, order: str = "C") -> NDArray[Any]: ...
-    def ones(self, shape: ShapeLike, dtype: DTypeLike | None = float, order: str = "C") -> Any:
+    def ones(
+        self, shape: ShapeLike, dtype: DTypeLike | None = float, order: OrderCF = "C"
+    ) -> NDArray[Any]: ...
+    def ones(self, shape: ShapeLike, dtype: DTypeLike | None = float, order: OrderCF = "C") -> Any:
         """As ``np.ones``, over workspace memory."""
         return type(self).full(self, shape, 1, np.dtype(dtype), order)
 

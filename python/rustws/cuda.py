@@ -82,10 +82,10 @@ class DeviceWorkspace(Workspace):
     if TYPE_CHECKING:
         # The bindings' empty and zeros, as a device workspace returns them.
         def empty(  # type: ignore[override]
-            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C"
+            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str | None = "C"
         ) -> DeviceArray: ...
         def zeros(  # type: ignore[override]
-            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str = "C"
+            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str | None = "C"
         ) -> DeviceArray: ...
 
     def _setup_device(
@@ -144,7 +144,7 @@ class DeviceWorkspace(Workspace):
 
     # -- allocation -------------------------------------------------------------------------------
     def full(  # type: ignore[override]
-        self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: str = "C"
+        self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: str | None = "C"
     ) -> DeviceArray:
         if self._on_device:
             if dtype is None:

@@ -197,6 +197,34 @@ def test_full_converts_every_fill_as_numpy_does(dtype):
                     assert _same_array(got, want), (fill, shape, got, want)
 
 
+_SHAPES = [(), 0, 3, (2, 3), [2, 3], (0, 5), (2, 0, 3), np.int64(4), (np.int32(2), 3), np.array(3)]
+_SHAPES += [np.array([2, 3]), -1, (2, -1), 2.0, (2.0,), "3", None, True, (2, (3,)), (1 << 40, 1 << 40)]
+_NEW_DTYPES = [None, float, int, np.float32, ">f8", "<i2", np.dtype([("a", "i4"), ("b", "f8")]), "U3"]
+_NEW_DTYPES += ["S0", "V8", "M8", "m8[ms]", "nonsense", complex, bool, "float64,float32"]
+
+
+@pytest.mark.parametrize("kind", ["empty", "zeros", "ones"])
+def test_new_arrays_read_shapes_dtypes_and_orders_as_numpy_does(kind):
+    # The same array (dtype, shape, strides: NumPy's zero strides for no elements), or the same
+    # error; NumPy's MemoryError is the workspace's, a MemoryError too.
+    ws = rustws.workspace("NEW", CFG)
+    with ws:
+        for shape in _SHAPES:
+            for dtype in _NEW_DTYPES:
+                for order in ["C", "F", "A", "K", "c", "f", None, "X", 1]:
+                    got = _outcome(getattr(ws, kind), shape, dtype, order)
+                    want = _outcome(getattr(np, kind), shape, dtype, order)
+                    case = (shape, dtype, order, got, want)
+                    if isinstance(want, type) and issubclass(want, MemoryError):
+                        assert isinstance(got, type) and issubclass(got, MemoryError), case
+                    elif isinstance(want, type) or isinstance(got, type):
+                        assert got is want, case
+                    else:
+                        assert got.strides == want.strides and got.flags.owndata, case
+                        assert kind == "empty" or _same_array(got, want) or got.dtype.names, case
+                        assert got.size == 0 or rustws.owner(got) is ws or got.nbytes < 1024, case
+
+
 def test_ones_and_asarray():
     ws = rustws.workspace("NP", CFG)
     with ws:

@@ -95,9 +95,23 @@ pub(crate) fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
     if shape.is_instance_of::<PyString>() || shape.is_instance_of::<pyo3::types::PyBytes>() {
         return Err(not_a_shape(shape));
     }
-    if shape.hasattr("__index__")? && !shape.hasattr("__len__")? {
-        dims.push(extract_dim(shape)?)?;
-        return Ok(dims);
+    if shape.hasattr("__index__")? {
+        // An integer of another type (a NumPy integer, a 0-d integer array): one dimension, as
+        // NumPy reads it. What is no integer (a 1-d array) is read as a sequence below.
+        // SAFETY: a live object; the result is a new reference, or NULL with an exception set.
+        let index = unsafe { Bound::from_owned_ptr_or_opt(shape.py(), pyo3::ffi::PyNumber_Index(shape.as_ptr())) };
+        match index {
+            Some(i) => {
+                dims.push(extract_dim(&i)?)?;
+                return Ok(dims);
+            }
+            None => {
+                let not_an_integer = PyErr::take(shape.py());
+                if !shape.hasattr("__len__")? {
+                    return Err(not_an_integer.unwrap_or_else(|| not_a_shape(shape)));
+                }
+            }
+        }
     }
     // As NumPy: a sequence (a list, an array), never a dict, set or iterator.
     // SAFETY: a live object; the check reads its type slots only.
@@ -309,7 +323,8 @@ fn make_array<'py>(
                 shared.name
             )));
     }
-    if !bypass && descr.itemsize() > 0 && direct_arrays_supported(py) {
+    // An array of no elements takes NumPy's own path, which gives it NumPy's strides (all 0).
+    if !bypass && descr.itemsize() > 0 && !dims.contains(&0) && direct_arrays_supported(py) {
         return new_array_direct(py, shared, capsule, dims, descr, fortran, zeroed);
     }
     // Through NumPy's allocation path, with the right handler current.

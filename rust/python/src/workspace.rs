@@ -415,26 +415,26 @@ impl WorkspaceCore {
 
     /// A new uninitialised array over workspace memory: an ndarray, or a `DeviceArray` for a
     /// device workspace.
-    #[pyo3(signature = (shape, dtype=None, order="C"))]
+    #[pyo3(signature = (shape, dtype=None, order=Some("C")), text_signature = "(self, /, shape, dtype=None, order='C')")]
     fn empty<'py>(
         slf: &Bound<'py, Self>,
         shape: &Bound<'py, PyAny>,
         dtype: Option<&Bound<'py, PyAny>>,
-        order: &str,
+        order: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        Self::allocate_array(slf, shape, dtype, order, false)
+        Self::allocate_array(slf, shape, dtype, order.unwrap_or("C"), false)
     }
 
     /// A new zero-filled array over workspace memory: an ndarray, or a `DeviceArray` for a
     /// device workspace.
-    #[pyo3(signature = (shape, dtype=None, order="C"))]
+    #[pyo3(signature = (shape, dtype=None, order=Some("C")), text_signature = "(self, /, shape, dtype=None, order='C')")]
     fn zeros<'py>(
         slf: &Bound<'py, Self>,
         shape: &Bound<'py, PyAny>,
         dtype: Option<&Bound<'py, PyAny>>,
-        order: &str,
+        order: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        Self::allocate_array(slf, shape, dtype, order, true)
+        Self::allocate_array(slf, shape, dtype, order.unwrap_or("C"), true)
     }
 
     /// As `np.asarray`, with the result in this workspace. A list or tuple, where the workspace
@@ -487,16 +487,19 @@ impl WorkspaceCore {
     }
 
     /// A new ndarray over workspace memory (refused for device memory), whatever the workspace.
-    #[pyo3(signature = (shape, dtype=None, order="C", zeroed=false))]
+    #[pyo3(
+        signature = (shape, dtype=None, order=Some("C"), zeroed=false),
+        text_signature = "(self, /, shape, dtype=None, order='C', zeroed=False)"
+    )]
     fn _ndarray<'py>(
         &self,
         py: Python<'py>,
         shape: &Bound<'py, PyAny>,
         dtype: Option<&Bound<'py, PyAny>>,
-        order: &str,
+        order: Option<&str>,
         zeroed: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        self.new_array(py, shape, dtype, order, zeroed)
+        self.new_array(py, shape, dtype, order.unwrap_or("C"), zeroed)
     }
 
     fn __repr__(&self) -> String {
