@@ -446,8 +446,10 @@ class Workspace(_rustws.WorkspaceCore):
     ) -> NDArray[Any]:
         """``asarray`` past the bindings' fast path: ``a`` itself (as an ndarray) when it already
         lives here with that dtype and order, else a copy made here."""
-        if type(a) in (list, tuple):
-            # A Python sequence always becomes new memory: made here directly, once.
+        if type(a) in (list, tuple) or isinstance(a, (int, float, complex, str, bytes)):
+            # A Python sequence or scalar always becomes new memory: made here directly, once,
+            # converted as NumPy converts it (a scalar's conversion is no array's cast: a complex
+            # number is no float).
             if dtype is not None:
                 _refuse_objects(np.dtype(dtype))
             made: NDArray[Any] = self._numpy_here(np.asarray, a, dtype=dtype, order=order)

@@ -225,6 +225,21 @@ def test_new_arrays_read_shapes_dtypes_and_orders_as_numpy_does(kind):
                         assert got.size == 0 or rustws.owner(got) is ws or got.nbytes < 1024, case
 
 
+@pytest.mark.filterwarnings("ignore::numpy.exceptions.ComplexWarning")
+@pytest.mark.parametrize("value", [3, -1, 2.5, 1 + 2j, True, "7", b"7", [1 + 2j], (2.5,)], ids=repr)
+@pytest.mark.parametrize("dtype", [None, np.float32, "i2", "U2", "c8", "M8[s]"], ids=repr)
+def test_asarray_converts_python_values_as_numpy_does(value, dtype):
+    # A scalar's conversion is no array's cast: a complex number is no float, a float no datetime.
+    ws = rustws.workspace("AS", CFG)
+    with ws:
+        got = _outcome(ws.asarray, value, dtype)
+        want = _outcome(np.asarray, value, dtype)
+        if isinstance(want, type) or isinstance(got, type):
+            assert got is want, (got, want)
+        else:
+            assert _same_array(got, want), (got, want)
+
+
 def test_ones_and_asarray():
     ws = rustws.workspace("NP", CFG)
     with ws:
