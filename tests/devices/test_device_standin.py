@@ -650,3 +650,56 @@ def test_a_host_workspace_cannot_claim_device_arrays():
     ws = dev()
     with pytest.raises(ValueError, match="already set"):
         ws._set_device("cuda:0", True, (2, 0))
+
+
+def _outcome(make, *args, **kwargs):
+    try:
+        return make(*args, **kwargs)
+    except Exception as e:  # NumPy's refusal, which the device workspace must match
+        return type(e)
+
+
+def _matches(got, want, compare_values):
+    if isinstance(want, type) or isinstance(got, type):
+        return got is want
+    host = got.to_numpy()
+    if host.dtype != want.dtype or host.shape != want.shape:
+        return False
+    if not compare_values:
+        return True
+    if host.dtype.kind in "mM":
+        return np.array_equal(host.view("i8"), want.view("i8"))
+    if host.dtype.names:
+        return host.tobytes() == want.tobytes()
+    return np.array_equal(host, want, equal_nan=host.dtype.kind in "fc")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::numpy.exceptions.ComplexWarning")
+def test_device_arrays_take_numpys_arguments_with_numpys_meaning():
+    # Shapes, dtypes, orders and fill values as NumPy reads them, errors included (the dtype is
+    # read before the shape); the values read back are NumPy's.
+    ws = dev("NUMPY-ARGS")
+    shapes = [(), 0, 3, (2, 3), (0, 5), np.int64(4), np.array(3), -1, 2.0, None, (1 << 40, 1 << 40)]
+    dtypes = [None, float, np.float32, ">f8", "<i2", np.dtype([("a", "i4"), ("b", "f8")]), "U3", "M8"]
+    dtypes.append("nonsense")
+    with ws:
+        for kind in ("empty", "zeros", "ones"):
+            for shape in shapes:
+                for dtype in dtypes:
+                    for order in ["C", "F", "A", None, "X"]:
+                        got = _outcome(getattr(ws, kind), shape, dtype, order)
+                        want = _outcome(getattr(np, kind), shape, dtype, order)
+                        assert _matches(got, want, kind != "empty"), (kind, shape, dtype, order, got, want)
+        for fill in [0, 1, 2.5, np.nan, 1 + 2j, True, "7", [1, 2]]:
+            for dtype in [None, np.uint8, np.float32, "U3", "M8[D]"]:
+                got, want = _outcome(ws.full, (2,), fill, dtype), _outcome(np.full, (2,), fill, dtype)
+                assert _matches(got, want, True), (fill, dtype, got, want)
+        base = np.arange(24.0).reshape(2, 3, 4)
+        for kind in ("empty_like", "zeros_like", "ones_like", "full_like"):
+            for proto in [base, np.asfortranarray(base), base.transpose(2, 0, 1), [[1, 2], [3, 4]], 3]:
+                for order in ("K", "A", "C", "F", None):
+                    for shape in (None, (6, 4), -1):
+                        args = (proto, 7) if kind == "full_like" else (proto,)
+                        got = _outcome(getattr(ws, kind), *args, order=order, shape=shape)
+                        want = _outcome(getattr(np, kind), *args, order=order, shape=shape)
+                        assert _matches(got, want, kind != "empty_like"), (kind, order, shape, got, want)

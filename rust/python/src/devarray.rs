@@ -841,7 +841,7 @@ pub(crate) fn new_device_array<'py>(
     zeroed: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = workspace.py();
-    let (shape, size) = shape_tuple(py, shape)?;
+    // The dtype first, then the shape: a call wrong in both fails as NumPy's does.
     let descr = match dtype {
         Some(d) if d.is_instance_of::<PyArrayDescr>() => {
             let d = d.cast::<PyArrayDescr>()?.clone();
@@ -853,6 +853,7 @@ pub(crate) fn new_device_array<'py>(
         }
         other => extract_descr(py, other)?,
     };
+    let (shape, size) = shape_tuple(py, shape)?;
     let fortran = is_fortran(order)?;
     let itemsize = descr.itemsize();
     let nbytes = size
