@@ -101,7 +101,6 @@ def _user_stacklevel() -> int:
 
 ShapeLike: TypeAlias = "SupportsIndex | Sequence[SupportsIndex]"
 OrderCF: TypeAlias = "str | None"
-Order: TypeAlias = 'Literal["C", "F"]'
 OrderKACF: TypeAlias = 'Literal["K", "A", "C", "F"]'
 _ScalarT = TypeVar("_ScalarT", bound=np.generic)
 _ArrayT = TypeVar("_ArrayT", bound="np.ndarray[Any, Any]")
@@ -336,7 +335,10 @@ class Workspace(_rustws.WorkspaceCore):
     ) -> NDArray[Any]:
         """A new array over workspace memory filled with ``fill_value``."""
         if dtype is None:
-            dtype = np.asarray(fill_value).dtype
+            fill = np.asarray(fill_value)
+            dtype = fill.dtype
+            if fill.ndim:
+                fill_value = fill  # an array fill value is converted once
         a = self._ndarray(shape, dtype, order)
         _fill(a, fill_value)
         return a
@@ -429,7 +431,7 @@ class Workspace(_rustws.WorkspaceCore):
         """As ``np.full_like``, over workspace memory."""
         return self._filled_like(a, dtype, order, subok, shape, fill_value)
 
-    def _filled_like(self, a: Any, dtype: Any, order: str, subok: bool, shape: Any, fill: Any) -> Any:
+    def _filled_like(self, a: Any, dtype: Any, order: Any, subok: bool, shape: Any, fill: Any) -> Any:
         """As NumPy's ``ones_like`` and ``full_like``: ``empty_like`` (the bindings' fast path),
         then ``copyto(..., casting="unsafe")``. A fill of integer zero into a numeric dtype is
         ``zeros_like`` (fresh memory is not written); into strings it is ``"0"``, as NumPy's."""

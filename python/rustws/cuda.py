@@ -38,7 +38,7 @@ from numpy.typing import ArrayLike, DTypeLike
 from . import _rustws
 from ._config import LearningPolicy, MirroringPolicy, WorkspaceConfiguration
 from ._errors import DeviceUnavailableError
-from ._workspace import _BY_ID, _MAX_ORDINAL, ShapeLike, Workspace, _set_device_factory
+from ._workspace import _BY_ID, _MAX_ORDINAL, OrderCF, ShapeLike, Workspace, _set_device_factory
 
 _T = TypeVar("_T")
 
@@ -82,10 +82,10 @@ class DeviceWorkspace(Workspace):
     if TYPE_CHECKING:
         # The bindings' empty and zeros, as a device workspace returns them.
         def empty(  # type: ignore[override]
-            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str | None = "C"
+            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: OrderCF = "C"
         ) -> DeviceArray: ...
         def zeros(  # type: ignore[override]
-            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: str | None = "C"
+            self, shape: ShapeLike, dtype: DTypeLike | None = None, order: OrderCF = "C"
         ) -> DeviceArray: ...
 
     def _setup_device(
@@ -144,7 +144,7 @@ class DeviceWorkspace(Workspace):
 
     # -- allocation -------------------------------------------------------------------------------
     def full(  # type: ignore[override]
-        self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: str | None = "C"
+        self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: OrderCF = "C"
     ) -> DeviceArray:
         if self._on_device:
             if dtype is None:
