@@ -93,16 +93,21 @@ struct BlockCache {
     bytes: usize,
 }
 
-/// Bytes of blocks of classes that did not recur the external cache keeps inside a cycle when a
-/// new block is made (and what it may always keep between cycles): cached blocks of classes a
-/// cycle of changing sizes no longer asks for go back rather than add to what it holds, while
-/// those it asks for again stay within the recent peak.
+/// The most bytes of blocks of classes that did not recur the external cache keeps inside a cycle
+/// when a new block is made (and what it may always keep between cycles): cached blocks of
+/// classes a cycle of changing sizes no longer asks for go back rather than add to what it
+/// holds, while those it asks for again stay within the recent peak.
 pub(crate) const SLACK: usize = 4 << 20;
+
+/// The least of that slack: a process whose arrays outside the arena come to a few megabytes
+/// keeps a quarter of them, and no less than this, so that the slack stays small beside what it
+/// holds.
+pub(crate) const MIN_SLACK: usize = 1 << 20;
 
 /// What recent cycles had live outside the arena. Between cycles the external cache holds at most
 /// that, together with what lives, so that the next cycle finds its blocks again; inside a cycle,
-/// before a new block is made, it keeps only [`SLACK`] beside what lives, so that a cycle of
-/// changing sizes never holds much more than it uses.
+/// before a new block is made, it keeps only a slack ([`ExternalPeaks::slack`]) beside what
+/// lives, so that a cycle of changing sizes never holds much more than it uses.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct ExternalPeaks {
     /// Peak slot bytes of live external blocks in the open cycle.
@@ -135,6 +140,13 @@ impl ExternalPeaks {
     /// The largest external footprint of the recent cycles and the open one.
     pub fn peak(&self) -> usize {
         self.window.iter().copied().max().unwrap_or(0).max(self.open)
+    }
+
+    /// What the cache keeps of classes that did not recur when a block is made inside a cycle
+    /// with `live` slot bytes live outside the arena: a quarter of the recent peak (or of what
+    /// lives), within [`MIN_SLACK`] and [`SLACK`].
+    pub fn slack(&self, live: usize) -> usize {
+        (self.peak().max(live) / 4).clamp(MIN_SLACK, SLACK)
     }
 
     /// What the cache may hold between cycles with `live` slot bytes live outside the arena:
@@ -548,6 +560,13 @@ mod tests {
         assert_eq!(peaks.cache_budget(0), 100 * M);
         assert_eq!(peaks.cache_budget(60 * M), 40 * M, "what is live takes its share");
         assert_eq!(peaks.cache_budget(100 * M), SLACK, "at the peak: the slack");
+        assert_eq!(peaks.slack(0), SLACK, "a quarter of a 100 MiB peak is more than the most");
+        let mut small = ExternalPeaks::default();
+        small.open_cycle(0);
+        assert_eq!(small.slack(0), MIN_SLACK, "nothing held yet: the least");
+        small.note(8 * M);
+        assert_eq!(small.slack(M), 2 * M, "a quarter of the peak");
+        assert_eq!(small.slack(12 * M), 3 * M, "or of what lives, when more lives");
         // Once the window has moved past the peak, the budget follows the smaller cycles.
         for g in 1..=NEED_WINDOW as u64 {
             peaks.open_cycle(0);
