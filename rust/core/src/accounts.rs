@@ -138,15 +138,7 @@ pub(crate) struct Accounts {
     pub pinned_blocks: usize,
     pub pinned: u64,
     pub pinned_slot: usize,
-    /// Slot bytes by which the open cycle's own live external blocks exceed the slots of their
-    /// requests' classes (a cached block of a larger class serving): memory held outside the
-    /// arena, not what an arena would need for them.
-    pub excess_own: usize,
-    /// `pinned_slot + excess_own`: the live slot bytes that are not the open cycle's own need,
-    /// kept as one sum so that the allocation path subtracts one field.
-    pub not_own_slot: usize,
-    /// Peak of the slot bytes the open cycle itself has live (`live_slot - pinned_slot`, less
-    /// `excess_own`).
+    /// Peak of the slot bytes the open cycle itself has live (`live_slot - pinned_slot`).
     pub own_peak: usize,
     /// Slot bytes of blocks of earlier cycles freed in the open cycle: state a loop replaces
     /// every cycle (`w = w - lr * g`), live beside the cycle's own blocks until replaced.
@@ -184,7 +176,7 @@ impl Accounts {
     /// What the open cycle's own live blocks take in an arena, fillers included.
     #[inline(always)]
     fn own_live(&self) -> usize {
-        self.live_slot - self.not_own_slot + (self.large_live - self.large_pinned) * MOST_PAD
+        self.live_slot - self.pinned_slot + (self.large_live - self.large_pinned) * MOST_PAD
     }
 
     /// A live block of `slot` bytes is gone.
@@ -210,22 +202,15 @@ impl Accounts {
         self.uncount_live(slot);
     }
 
-    /// An external block (huge ones included) was handed out, `excess` of its slot bytes beyond
-    /// the slot of its request's class.
-    pub fn count_external(&mut self, size: usize, slot: usize, excess: usize) {
-        self.excess_own += excess;
-        self.not_own_slot += excess;
+    /// An external block (huge ones included) was handed out.
+    pub fn count_external(&mut self, size: usize, slot: usize) {
         self.external += size as u64;
         self.external_slot += slot;
         self.external_blocks += 1;
         self.count_live(slot);
     }
 
-    /// An external block is gone: `excess` as counted, or 0 for a block of an earlier cycle
-    /// (pinned, its excess no longer the open cycle's).
-    pub fn uncount_external(&mut self, size: usize, slot: usize, excess: usize) {
-        self.excess_own -= excess;
-        self.not_own_slot -= excess;
+    pub fn uncount_external(&mut self, size: usize, slot: usize) {
         self.external -= size as u64;
         self.external_slot -= slot;
         self.external_blocks -= 1;
@@ -246,14 +231,13 @@ impl Accounts {
         self.external_blocks -= 1;
     }
 
-    /// A block of an earlier cycle was freed (`excess` of its slot beyond its request's class).
+    /// A block of an earlier cycle was freed.
     #[cold]
-    pub fn unpin(&mut self, size: usize, slot: usize, excess: usize) {
+    pub fn unpin(&mut self, size: usize, slot: usize) {
         self.pinned_blocks -= 1;
         self.pinned -= size as u64;
         self.pinned_slot -= slot;
-        self.not_own_slot -= slot;
-        self.unpinned_slot += slot - excess;
+        self.unpinned_slot += slot;
         if slot >= LARGE_SLOT {
             self.large_pinned -= 1;
             self.unpinned_slot += MOST_PAD;
@@ -280,8 +264,6 @@ impl Accounts {
         self.pinned_blocks = live_blocks;
         self.pinned = self.used + self.external;
         self.pinned_slot = self.live_slot;
-        self.excess_own = 0;
-        self.not_own_slot = self.live_slot;
         self.large_pinned = self.large_live;
         self.last_cycle_peak = self.cycle_peak;
         escaped
@@ -323,7 +305,7 @@ mod tests {
         // Next cycle: the kept block is replaced (freed, pinned), and a new one made.
         a.open_cycle();
         assert_eq!(a.cycle_need(), 0, "a kept block is not this cycle's need");
-        a.unpin(100, 192, 0);
+        a.unpin(100, 192);
         a.uncount_arena(100, 192);
         a.count_arena(100, 192);
         assert_eq!(a.cycle_need(), 192 + 192, "the replaced state and the new block");
@@ -337,12 +319,12 @@ mod tests {
         a.open_cycle();
         a.count_arena(PAGE_ALIGNED_SIZE, LARGE_SLOT);
         assert_eq!(a.cycle_need(), LARGE_SLOT + MOST_PAD);
-        a.count_external(10, 128, 0);
+        a.count_external(10, 128);
         assert_eq!((a.external, a.external_slot, a.external_blocks), (10, 128, 1));
         a.count_huge(1 << 30);
         assert_eq!(a.cycle_peak, (PAGE_ALIGNED_SIZE + 10 + (1 << 30)) as u64);
         a.uncount_huge(1 << 30);
-        a.uncount_external(10, 128, 0);
+        a.uncount_external(10, 128);
         assert_eq!((a.external, a.external_blocks), (0, 0));
     }
 }

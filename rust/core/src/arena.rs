@@ -25,7 +25,7 @@ use std::ptr::{addr_of, NonNull};
 use std::sync::Arc;
 
 use crate::backend::{AnonymousMemory, Backend, BLOCK_ALIGN};
-use crate::classes::{class_of, class_size, ClassSet, CLASSES, CLASS_SLACK, PAGE_ALIGNED_FROM};
+use crate::classes::{class_of, class_size, ClassSet, CLASSES, PAGE_ALIGNED_FROM};
 use crate::error::BackendError;
 use crate::fallible::try_box;
 use crate::sanitizer::{poison, unpoison};
@@ -53,6 +53,9 @@ const NONE: usize = usize::MAX;
 
 /// The class of a block that has none (not carved from an arena).
 pub const NO_CLASS: u16 = u16::MAX;
+
+/// Larger classes a request may take a listed block of, when its own list is empty.
+const CLASS_SLACK: usize = 4;
 
 /// Where a block's memory came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

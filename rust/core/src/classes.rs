@@ -24,12 +24,6 @@ pub const PAGE_ALIGNED_FROM: usize = 16 + (17 - 11) * 8 + 7;
 pub const PAGE_ALIGNED_SIZE: usize = class_size_of(PAGE_ALIGNED_FROM);
 const _: () = assert!(PAGE_ALIGNED_SIZE == 128 << 10 && class_size_of(PAGE_ALIGNED_FROM - 1) < 128 << 10);
 
-/// Larger classes a request may take a free block of when none of its own class is free (an
-/// arena's lists, the external cache): above 1 KiB, a block at most half as large again as the
-/// request's class (four eighths of a doubling; under 1.63 times the request itself), below it
-/// 256 bytes more, bounding the memory a block holds beyond what it serves.
-pub const CLASS_SLACK: usize = 4;
-
 /// The class of a request of `size` bytes (0 counts as 1); None above [`MAX_CLASS_SIZE`].
 #[inline(always)]
 pub fn class_of(size: usize) -> Option<usize> {

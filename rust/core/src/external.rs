@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use crate::arena::{write_live_header, BlockHeader, BlockKind, HEADER, MAGIC_FREE};
 use crate::backend::Backend;
-use crate::classes::{floor_class, ClassSet, CLASSES, CLASS_SLACK};
+use crate::classes::{floor_class, ClassSet, CLASSES};
 use crate::error::BackendError;
 use crate::fallible::try_box;
 use crate::learner::NEED_WINDOW;
@@ -313,16 +313,12 @@ impl OwnBlocks {
     }
 
     /// A cached block that serves class `class` (its header says free; the caller rewrites it
-    /// live), and its slot: one of that class, else the smallest of at most [`CLASS_SLACK`]
-    /// classes larger. A request of a size the cache has not seen takes memory the cache holds
-    /// already rather than a new block (first cycles of changing sizes), as the arena's lists do.
+    /// live), and its slot.
     #[inline]
     pub fn take_cached(&mut self, class: usize, generation: u64) -> Option<(NonNull<u8>, usize)> {
-        let class = if self.cache.nonempty.contains(class) {
-            class
-        } else {
-            self.cache.nonempty.next_from(class).filter(|&c| c <= class + CLASS_SLACK)?
-        };
+        if !self.cache.nonempty.contains(class) {
+            return None;
+        }
         self.cache.used[class] = generation;
         self.cache.recurring.insert(class);
         let (p, slot) = self.pop(class);
@@ -466,34 +462,6 @@ mod tests {
         b.release_stale(4 + CACHE_CYCLES);
         assert_eq!(b.cached_bytes(), 0);
         assert!(b.header_of(p).is_none(), "released blocks leave the table");
-    }
-
-    #[test]
-    fn a_miss_takes_the_smallest_cached_block_a_few_classes_larger() {
-        let mut b = blocks();
-        let base = class_of(1 << 20).unwrap();
-        let put = |b: &mut OwnBlocks, class: usize| {
-            let slot = class_size(class) + HEADER;
-            let p = b.new_block(BlockKind::External, class_size(class), slot, false, 0).unwrap();
-            // SAFETY: live, given up once.
-            unsafe { b.put_cached(p, slot, 0) };
-            (p, slot)
-        };
-        let within = put(&mut b, base + CLASS_SLACK);
-        let beyond = put(&mut b, base + CLASS_SLACK + 1);
-        let smallest = put(&mut b, base + 2);
-        let own = put(&mut b, base);
-        assert_eq!(b.take_cached(base, 1), Some(own), "its own class first");
-        assert_eq!(b.take_cached(base, 1), Some(smallest), "then the smallest larger one");
-        assert_eq!(b.take_cached(base, 1), Some(within));
-        assert_eq!(b.take_cached(base, 1), None, "nothing more than CLASS_SLACK classes larger");
-        assert_eq!(b.take_cached(base + 2 * CLASS_SLACK + 2, 1), None, "nor anything smaller");
-        assert_eq!(b.take_cached(base + 1, 1), Some(beyond), "a block within reach of its request");
-        assert_eq!(b.cached_bytes(), 0);
-        for (p, slot) in [own, smallest, within, beyond] {
-            // SAFETY: taken off the cache above: ours, released once.
-            unsafe { b.release(p, slot, BlockKind::External) };
-        }
     }
 
     #[test]

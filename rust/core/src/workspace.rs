@@ -27,12 +27,10 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::accounts::{Accounts, CycleReport, WorkspaceStats};
-use crate::arena::{
-    is_live_arena, live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER, NO_CLASS,
-};
+use crate::arena::{is_live_arena, live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
 use crate::backend::{available_memory, round_to_page, AnonymousMemory, Backend, FileMappedMemory, LimitAdaptor};
 use crate::backend::{page_bytes, BLOCK_ALIGN};
-use crate::classes::{class_of, class_size, floor_class};
+use crate::classes::{class_of, class_size};
 use crate::config::{AllocationPolicy, DebugMode, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration};
 use crate::error::{BackendError, Error, Name, Refusal};
 use crate::external::OwnBlocks;
@@ -874,16 +872,11 @@ impl Workspace {
         }
         let (p, slot) = self.own.take_cached(req.class, self.cycles.completed)?;
         let h = self.own.header_of(p).expect("a cached block is listed");
-        let mut header = BlockHeader::live(BlockKind::External, self.token, 0, slot, req.size, self.cycles.epoch);
-        // A block of a larger class (cached blocks are listed by the class their slot holds)
-        // names the request's class: the cycle's need counts that, not the block's excess.
-        let excess = if floor_class(slot - HEADER) == Some(req.class) { 0 } else { slot - req.slot };
-        if excess > 0 {
-            header.class = req.class as u16;
-        }
         // SAFETY: a block of ours just taken off the cache: its header is ours to write.
-        unsafe { h.as_ptr().write(header) };
-        self.accounts.count_external(req.size, slot, excess);
+        unsafe {
+            h.as_ptr().write(BlockHeader::live(BlockKind::External, self.token, 0, slot, req.size, self.cycles.epoch))
+        };
+        self.accounts.count_external(req.size, slot);
         // SAFETY: `p` is valid for `size <= slot - HEADER` bytes of the backend's memory.
         if req.zeroed && unsafe { self.limit.zero(p, req.size) }.is_err() {
             // A fill the device refused: the block goes back, and a new block is asked for.
@@ -910,7 +903,7 @@ impl Workspace {
         let epoch = self.cycles.epoch;
         let p =
             self.within_limit(req.size, |ws| ws.own.new_block(BlockKind::External, req.size, len, req.zeroed, epoch))?;
-        self.accounts.count_external(req.size, len, 0);
+        self.accounts.count_external(req.size, len);
         self.own.peaks.made = self.own.peaks.made.saturating_add(len);
         let peak = self.own.peaks.peak();
         self.own.note_made(len, peak);
@@ -1088,10 +1081,10 @@ impl Workspace {
             return false;
         };
         // Copy everything out: the memory holding the header may be released below.
-        let (size, slot, gen, owner, region, class) = {
+        let (size, slot, gen, owner, region) = {
             // SAFETY: a live header (written by us); the borrow ends in this block.
             let h = unsafe { hp.as_ref() };
-            (h.requested, h.slot, h.generation, h.owner, h.region, h.class)
+            (h.requested, h.slot, h.generation, h.owner, h.region)
         };
         if owner != self.token {
             // Another workspace's block: never ours to free.
@@ -1101,7 +1094,7 @@ impl Workspace {
         match (kind, at) {
             (BlockKind::Arena, Some(at)) if self.regions.get(at).id() == region => {
                 if pinned {
-                    self.accounts.unpin(size, slot, 0);
+                    self.accounts.unpin(size, slot);
                 }
                 self.accounts.uncount_arena(size, slot);
                 // SAFETY: the header is live, not borrowed, and names the region it lies in.
@@ -1110,7 +1103,7 @@ impl Workspace {
             (BlockKind::Huge, None) => {
                 self.accounts.uncount_huge(size);
                 if pinned {
-                    self.accounts.unpin(size, 0, 0);
+                    self.accounts.unpin(size, 0);
                 }
                 self.huge.live_len -= slot;
                 self.own.unregister(p);
@@ -1128,12 +1121,10 @@ impl Workspace {
                 }
             }
             (BlockKind::External, None) => {
-                // A block of a larger class serving a request names the request's class.
-                let excess = if class == NO_CLASS { 0 } else { slot - (class_size(class as usize) + HEADER) };
                 if pinned {
-                    self.accounts.unpin(size, slot, excess);
+                    self.accounts.unpin(size, slot);
                 }
-                self.accounts.uncount_external(size, slot, if pinned { 0 } else { excess });
+                self.accounts.uncount_external(size, slot);
                 if self.route.caches && !self.cycles.destroyed {
                     // SAFETY: the caller gives the block up; it is put once.
                     unsafe { self.own.put_cached(p, slot, self.cycles.completed) };
@@ -1345,7 +1336,6 @@ impl Workspace {
         let arena_live: usize = self.regions.iter().map(ArenaRegion::verify).sum();
         assert_eq!(arena_live, a.live_slot - a.external_slot, "slot bytes disagree");
         assert!(a.pinned_blocks <= self.live_blocks() && a.pinned_slot <= a.live_slot);
-        assert_eq!(a.not_own_slot, a.pinned_slot + a.excess_own, "the slot bytes not the cycle's own disagree");
         assert!(self.footprint() <= self.limit(), "footprint {} past the limit {}", self.footprint(), self.limit());
     }
 
@@ -1479,48 +1469,10 @@ mod tests {
         assert_eq!(w.bad_frees(), 0, "the block was found and freed");
     }
 
-    /// A cached block of a larger class serving a request counts, in the cycle's need (what the
-    /// learner sizes the arena from), as a block of the request's class: the arena would carve
-    /// that, not the cached block's excess. So too when it is freed in a later cycle.
-    #[test]
-    fn a_larger_cached_block_counts_as_its_requests_class_in_the_need() {
-        const M: usize = 1 << 20;
-        let run = |reuse: bool| {
-            let mut w = heap(WorkspaceConfiguration::default());
-            w.enter().unwrap();
-            let mut reused = false;
-            if reuse {
-                let a = w.alloc(M + M / 4).unwrap();
-                // SAFETY: live, freed once.
-                unsafe { w.free(a) };
-                let b = w.alloc(M).unwrap();
-                reused = a == b;
-                // SAFETY: live, freed once.
-                unsafe { w.free(b) };
-            }
-            let b = w.alloc(M).unwrap();
-            let c = w.alloc(M + M / 4).unwrap();
-            let first = w.accounts.cycle_need();
-            w.exit().unwrap();
-            w.enter().unwrap();
-            // SAFETY: live (pinned now), freed once.
-            unsafe { w.free(b) };
-            let replaced = w.accounts.cycle_need();
-            // SAFETY: live, freed once.
-            unsafe { w.free(c) };
-            w.exit().unwrap();
-            w.verify();
-            (reused, first, replaced, w.accounts.excess_own)
-        };
-        let (reused, first, replaced, excess) = run(true);
-        assert!(reused, "the 1.25 MiB block served the 1 MiB request");
-        let (_, plain_first, plain_replaced, _) = run(false);
-        assert_eq!((first, replaced, excess), (plain_first, plain_replaced, 0));
-    }
-
     /// A long first cycle of changing sizes holds what lives and a small slack (or the blocks of
     /// classes it reuses, within the peak it had live), never the blocks of every class it once
-    /// used; the slack is a quarter of what it holds, from 1 MiB to 4 MiB.
+    /// used; the slack is a quarter of the most it held outside the arena lately, from 1 MiB to
+    /// 4 MiB.
     #[test]
     fn a_first_cycle_of_changing_sizes_holds_what_lives_and_a_slack_or_its_peak() {
         for (largest, slack) in [(3 << 20, SLACK), (256 << 10, MIN_SLACK)] {
@@ -1534,13 +1486,11 @@ mod tests {
                 let before = w.footprint();
                 live.push((w.alloc(size).unwrap(), size));
                 // Memory is taken only as a block is made (a cached one was resident already):
-                // then the workspace holds what lives (with class rounding, and the excess of
-                // cached blocks of a few classes larger serving: half as much again covers
-                // these sequences) and the slack, or blocks of recurring classes within the peak
-                // it had live.
+                // then the workspace holds what lives (with class rounding, at most a quarter
+                // more) and the slack, or blocks of recurring classes within the peak it had live.
                 let held: usize = live.iter().map(|&(_, n)| n + HEADER).sum();
-                peak = peak.max(held + held / 2);
-                let bound = (held + held / 2 + slack).max(peak);
+                peak = peak.max(held + held / 4);
+                let bound = (held + held / 4 + slack).max(peak);
                 if w.footprint() > before {
                     worst = worst.max(w.footprint() * 100 / bound);
                     assert!(w.footprint() <= bound, "step {i}: holds {} for {held} live", w.footprint());
