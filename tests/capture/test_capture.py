@@ -278,7 +278,8 @@ def _held_outside_the_arena(name: str) -> int:
     from rustws import memory
 
     segments = memory.snapshot()["segments"]
-    return sum(s["total_size"] for s in segments if s["workspace"] == name and s["kind"] in ("external", "huge"))
+    outside = ("external", "huge")
+    return sum(s["total_size"] for s in segments if s["workspace"] == name and s["kind"] in outside)
 
 
 @pytest.mark.parametrize(
