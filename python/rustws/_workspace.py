@@ -355,16 +355,15 @@ class Workspace(_rustws.WorkspaceCore):
         """As ``np.ones``, over workspace memory."""
         return type(self).full(self, shape, 1, np.dtype(dtype), order)
 
-    def _like(self, a: Any, dtype: Any, order: str, subok: bool, shape: Any, fill: Any) -> Any:
-        """NumPy's ``empty_like`` (``fill`` None) and ``zeros_like`` (``fill`` 0) past the
-        bindings' fast path."""
+    def _like(self, a: Any, dtype: Any, order: str, subok: bool, shape: Any, zeroed: bool) -> Any:
+        """NumPy's ``empty_like`` and (``zeroed``) ``zeros_like`` past the bindings' fast path."""
         proto = a if isinstance(a, np.ndarray) else _as_ndarray(a)
         dt = proto.dtype if dtype is None else np.dtype(dtype)
         _refuse_objects(dt)
         o = order.upper() if isinstance(order, str) else order
         contiguous = proto.flags.c_contiguous or proto.flags.f_contiguous
         if (subok and type(proto) is not np.ndarray) or (o == "K" and not contiguous) or o not in "KACF":
-            like = np.empty_like if fill is None else np.zeros_like
+            like = np.zeros_like if zeroed else np.empty_like
             return self._numpy_here(like, proto, dt, order, subok, shape)
         shp = proto.shape if shape is None else shape
         if o in ("K", "A"):
@@ -373,7 +372,7 @@ class Workspace(_rustws.WorkspaceCore):
             if o == "K" and shape is not None:
                 fortran = fortran and (len(shp) if isinstance(shp, (tuple, list)) else 1) == proto.ndim
             o = "F" if fortran else "C"
-        return self._ndarray(shp, dt, o, fill is not None)
+        return self._ndarray(shp, dt, o, zeroed)
 
     @overload
     def ones_like(

@@ -99,8 +99,7 @@ impl WorkspaceCore {
             Some(s) => s.clone(),
             None => pyo3::types::PyBool::new(py, true).to_owned().into_any(),
         };
-        let fill = if zeroed { 0i32.into_pyobject(py)?.into_any() } else { py.None().into_bound(py) };
-        slf.call_method1("_like", (a, dtype, order, subok, shape, fill))
+        slf.call_method1("_like", (a, dtype, order, subok, shape, zeroed))
     }
 }
 
