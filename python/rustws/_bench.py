@@ -502,6 +502,9 @@ def run_bench(
         print("bench: nothing to run", file=sys.stderr)
         return 2
     reps = repeats if repeats is not None else (3 if quick else 5)
+    if reps < 1:
+        print(f"bench: --repeats (runs per variant) must be at least 1, got {reps}", file=sys.stderr)
+        return 2
     peers = {k: p for k, lib in PEERS.items() if (p := _find_lib(lib))}
     variants = ["numpy", "rustws", "limit", *peers]
     missing = sorted(set(PEERS) - set(peers))

@@ -9,8 +9,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
+import operator
 import os
 from typing import Any, SupportsIndex, TypeAlias
+
+import numpy
 
 from . import _rustws
 
@@ -213,12 +217,15 @@ class WorkspaceConfiguration:
         for f, cls in _POLICY_FIELDS.items():
             put(self, f, cls.coerce(getattr(self, f), f))
         ol = self.overallocation_limit
-        if isinstance(ol, bool) or not isinstance(ol, (int, float)):
+        # Any real number, NumPy's scalars included; not a bool.
+        if isinstance(ol, (bool, numpy.bool_)) or not isinstance(ol, numbers.Real):
             raise TypeError(f"overallocation_limit must be a number, got {type(ol).__name__}")
         put(self, "overallocation_limit", float(ol))
         cbi = self.cycles_before_initialization
-        if isinstance(cbi, bool) or not isinstance(cbi, int):
+        # Any integer (`operator.index`), NumPy's included; not a bool.
+        if isinstance(cbi, (bool, numpy.bool_)) or not hasattr(type(cbi), "__index__"):
             raise TypeError(f"cycles_before_initialization must be an int, got {type(cbi).__name__}")
+        put(self, "cycles_before_initialization", operator.index(cbi))
         for f in ("helper_allow_fallback", "use_cycle_detector"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"{f} must be a bool, got {type(getattr(self, f)).__name__}")

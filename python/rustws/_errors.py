@@ -184,12 +184,13 @@ def _fmt(n: int) -> str:
     return f"{x / 1024:.1f} TiB"
 
 
-def _system_refused(workspace: str, requested: int, system: str) -> WorkspaceOutOfMemory:
+def _system_refused(workspace: str, requested: int, in_use: int, limit: int, system: str) -> WorkspaceOutOfMemory:
     e = WorkspaceOutOfMemory(
-        f"workspace {_quoted(workspace)} cannot allocate {requested} bytes: "
-        f"the system refused memory ({system})"
+        f"workspace {_quoted(workspace)} cannot allocate {requested} bytes: {in_use} bytes in use, limit {limit} "
+        f"bytes (the system refused memory: {system})"
     )
     e.workspace, e.requested, e.reason, e.system = workspace, requested, "the system refused memory", system
+    e.in_use, e.limit = in_use, limit
     e.verdict = (
         f"rustws verdict: the system: it refused {_fmt(requested)} ({system}) before the workspace's "
         "own limit was reached. To change: set max_size below the memory this process may use, so that "

@@ -17,7 +17,7 @@ import numpy as np
 
 from ._config import ArrayType, WorkspaceConfiguration
 from ._errors import WorkspaceError
-from ._workspace import Workspace, detach, owner, scope_out_of_workspaces, workspace
+from ._workspace import Workspace, _check_name, detach, owner, scope_out_of_workspaces, workspace
 
 __all__ = ["LayerWorkspaceMgr", "LayerWorkspaceMgrBuilder"]
 
@@ -33,8 +33,7 @@ def _check_type(t: Any) -> ArrayType:
 
 
 def _check_target(name: Any, config: Any) -> tuple[str, WorkspaceConfiguration]:
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"workspace name must be a non-empty str, got {name!r}")
+    _check_name(name)
     if config is None:
         config = WorkspaceConfiguration()
     if not isinstance(config, WorkspaceConfiguration):

@@ -155,6 +155,7 @@ class Workspace(_rustws.WorkspaceCore):
         # Made directly (``rustws.Workspace(name, {})``) rather than by ``rustws.workspace``: a
         # usable workspace of no thread's registry, its configuration read back from the dict
         # the core validated. ``rustws.workspace`` sets it up again for its thread.
+        _check_name(name)
         self._setup(WorkspaceConfiguration.from_dict(config), "cpu", True, trace=False)
         _BY_ID[self.id] = self
 

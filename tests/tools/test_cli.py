@@ -90,3 +90,20 @@ def test_the_quick_demo_compares_both_runs(tmp_path):
         assert name in out
     assert 'initial_size="' in out
     assert proc.stderr == ""  # --quiet: no progress
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "--repeats", "0"], "--repeats (runs per variant) must be at least 1, got 0"),
+        (["bench", "--repeats", "-3"], "must be at least 1, got -3"),
+        (["bench", "--workloads", "W99"], "unknown workload(s) W99"),
+        (["demo", "--steps", "1"], "--steps (batches per epoch) must be at least 2"),
+    ],
+)
+def test_bad_arguments_are_a_usage_error_before_anything_runs(argv, says, capsys):
+    from rustws.__main__ import main
+
+    assert main([*argv, "--quick", "-q"]) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err and captured.out == ""

@@ -35,8 +35,11 @@ def test_builder_requires_every_type_or_a_default():
         LayerWorkspaceMgr.builder().with_("NOT_A_TYPE_AT_ALL", "A", CFG)
     with pytest.raises(TypeError):
         LayerWorkspaceMgr.builder().with_(5, "A", CFG)
-    with pytest.raises(TypeError):
+    # An empty name is a bad value, as for rustws.workspace(""); a name that is no str, a bad type.
+    with pytest.raises(ValueError, match="must not be empty"):
         LayerWorkspaceMgr.builder().with_(ArrayType.INPUT, "", CFG)
+    with pytest.raises(TypeError, match="must be a str"):
+        LayerWorkspaceMgr.builder().with_(ArrayType.INPUT, 7, CFG)
     with pytest.raises(TypeError):
         LayerWorkspaceMgr.builder().with_(ArrayType.INPUT, "A", config=5)
 

@@ -70,6 +70,7 @@ def test_bad_order():
     [
         (lambda: rustws.workspace(5), TypeError),
         (lambda: rustws.workspace(""), ValueError),
+        (lambda: rustws.Workspace("", {}), ValueError),
         (lambda: rustws.workspace("X", config=5), TypeError),
         (lambda: rustws.workspace("X", device=0), TypeError),
         (lambda: rustws.workspace("X", device="tpu"), ValueError),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import pytest
 
 import rustws
@@ -187,6 +188,8 @@ def test_invalid_values_raise_value_error_naming_the_field(kwargs, field):
         ({"overallocation_limit": "0.3"}, "overallocation_limit"),
         ({"overallocation_limit": True}, "overallocation_limit"),
         ({"cycles_before_initialization": 1.0}, "cycles_before_initialization"),
+        ({"cycles_before_initialization": np.True_}, "cycles_before_initialization"),
+        ({"overallocation_limit": np.bool_(False)}, "overallocation_limit"),
         ({"policy_spill": 3}, "policy_spill"),
         ({"policy_spill": ResetPolicy.BLOCK_LEFT}, "policy_spill"),
         ({"helper_allow_fallback": 1}, "helper_allow_fallback"),
@@ -197,6 +200,21 @@ def test_invalid_values_raise_value_error_naming_the_field(kwargs, field):
 def test_wrong_types_raise_type_error_naming_the_field(kwargs, field):
     with pytest.raises(TypeError, match=field):
         WorkspaceConfiguration(**kwargs)
+
+
+@pytest.mark.parametrize("n", [2**31, 2**63, 2**64, 2**200])
+def test_a_count_too_large_says_the_most_it_may_be(n):
+    with pytest.raises(ValueError, match=f"cycles_before_initialization: must be at most 1000000, got {n}$"):
+        WorkspaceConfiguration(cycles_before_initialization=n)
+
+
+def test_numpy_scalars_are_numbers_as_python_ints_and_floats_are():
+    c = WorkspaceConfiguration(
+        cycles_before_initialization=np.int64(3), overallocation_limit=np.float32(0.5), initial_size=np.uint32(4096)
+    )
+    assert (c.cycles_before_initialization, c.overallocation_limit, c.initial_size) == (3, 0.5, 4096)
+    assert type(c.cycles_before_initialization) is int and type(c.overallocation_limit) is float
+    assert c == WorkspaceConfiguration(cycles_before_initialization=3, overallocation_limit=0.5, initial_size=4096)
 
 
 def test_positional_arguments_are_refused():

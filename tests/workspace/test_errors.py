@@ -90,3 +90,20 @@ def test_a_refusal_caught_inside_the_cycle_is_logged(caplog):
             np.ones(1 << 20)
         assert not caplog.records  # reported when the cycle ends
     assert len(caplog.records) == 1 and "8388608 bytes" in caplog.records[0].getMessage()
+
+
+def test_a_refusal_of_the_system_names_the_bytes_in_use_and_the_limit():
+    ws = rustws.workspace("SYS", rustws.WorkspaceConfiguration(initial_size="1MiB"))
+    with ws:
+        arena = ws.stats().capacity_bytes
+        kept = ws.empty(1 << 20, np.uint8)
+        # More than a 64-bit process's address space: the system refuses whatever its overcommit.
+        with pytest.raises(WorkspaceOutOfMemory) as info:
+            ws.empty(1 << 48, np.uint8)
+        del kept
+    e = info.value
+    assert e.system and e.reason == "the system refused memory"
+    # Without a max_size, the limit named is the arena's capacity, as in the workspace's own refusals.
+    assert (e.requested, e.in_use, e.limit) == (1 << 48, 1 << 20, arena) and arena >= 1 << 20
+    assert f"cannot allocate {1 << 48} bytes: {1 << 20} bytes in use, limit {arena} bytes" in str(e)
+    assert "the system refused memory: " in str(e) and e.__notes__[0].startswith("rustws verdict: the system")

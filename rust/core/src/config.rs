@@ -171,6 +171,9 @@ impl DebugMode {
     }
 }
 
+/// The most learning cycles `cycles_before_initialization` may ask for.
+pub const MAX_CYCLES_BEFORE_INITIALIZATION: u64 = 1_000_000;
+
 /// Every knob of a workspace. Build one with [`WorkspaceConfiguration::default`] and struct update
 /// syntax, then call [`WorkspaceConfiguration::validate`].
 #[derive(Debug, Clone, PartialEq)]
@@ -295,10 +298,13 @@ impl WorkspaceConfiguration {
                 format!("must be at most 1000, got {}", self.overallocation_limit),
             ));
         }
-        if self.cycles_before_initialization > 1_000_000 {
+        if self.cycles_before_initialization > MAX_CYCLES_BEFORE_INITIALIZATION {
             return Err(invalid(
                 "cycles_before_initialization",
-                format!("must be at most 1000000, got {}", self.cycles_before_initialization),
+                format!(
+                    "must be at most {MAX_CYCLES_BEFORE_INITIALIZATION}, got {}",
+                    self.cycles_before_initialization
+                ),
             ));
         }
         if self.max_size > 0 && self.max_size < self.initial_size {

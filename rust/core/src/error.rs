@@ -110,8 +110,10 @@ pub enum Error {
     InvalidConfig { field: &'static str, message: String },
     /// A request the workspace cannot serve under its limits and spill policy.
     OutOfMemory(Refusal),
-    /// The operating system (or an upstream backend) refused memory.
-    SystemOutOfMemory { workspace: Name, requested: u64, cause: BackendError },
+    /// The operating system (or an upstream backend) refused memory: `requested` bytes, while the
+    /// workspace's live blocks held `in_use` requested bytes under `limit` (as in [`Refusal`]:
+    /// `max_size`, or the arena's capacity where there is none).
+    SystemOutOfMemory { workspace: Name, requested: u64, in_use: u64, limit: u64, cause: BackendError },
     /// The workspace was destroyed.
     Destroyed { workspace: Name },
     /// An operation that needs an open cycle found none.
@@ -132,9 +134,10 @@ impl Error {
         Error::NotOpen { workspace: workspace.clone(), operation }
     }
 
-    /// The system (or a backend under the workspace) refused `requested` bytes for `cause`.
-    pub fn system(workspace: &Name, requested: u64, cause: BackendError) -> Self {
-        Error::SystemOutOfMemory { workspace: workspace.clone(), requested, cause }
+    /// The system (or a backend under the workspace) refused `requested` bytes for `cause`, with
+    /// `in_use` bytes live under `limit`.
+    pub fn system(workspace: &Name, requested: u64, in_use: u64, limit: u64, cause: BackendError) -> Self {
+        Error::SystemOutOfMemory { workspace: workspace.clone(), requested, in_use, limit, cause }
     }
 
     /// A device that refused `cause` (a fill, a copy).
@@ -162,9 +165,10 @@ impl fmt::Display for Error {
                 "workspace {:?} cannot allocate {} bytes: {} bytes in use, limit {} bytes ({})",
                 r.workspace, r.requested, r.in_use, r.limit, r.reason
             ),
-            Error::SystemOutOfMemory { workspace, requested, cause } => write!(
+            Error::SystemOutOfMemory { workspace, requested, in_use, limit, cause } => write!(
                 f,
-                "workspace {workspace:?} cannot allocate {requested} bytes: the system refused memory ({cause})"
+                "workspace {workspace:?} cannot allocate {requested} bytes: {in_use} bytes in use, limit {limit} \
+                 bytes (the system refused memory: {cause})"
             ),
             Error::Destroyed { workspace } => write!(f, "workspace {workspace:?} was destroyed"),
             Error::NotOpen { workspace, operation } => {
@@ -205,6 +209,13 @@ mod tests {
         assert_eq!(
             r.to_string(),
             "workspace \"W\" cannot allocate 100 bytes: 7 bytes in use, limit 64 bytes (max_size reached)"
+        );
+        let s = Error::system(&Name::from("W"), 100, 7, 64, BackendError::refused("mmap", 100, "no"));
+        assert!(s.is_out_of_memory());
+        assert_eq!(
+            s.to_string(),
+            "workspace \"W\" cannot allocate 100 bytes: 7 bytes in use, limit 64 bytes (the system refused memory: \
+             mmap of 100 bytes failed: no)"
         );
         let d = Error::device("a copy on the device failed", BackendError::refused("copy", 8, "no"));
         assert_eq!(d.to_string(), "a copy on the device failed: copy of 8 bytes failed: no");

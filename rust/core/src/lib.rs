@@ -43,7 +43,7 @@ pub use arena::{slot_for, BlockKind, HEADER};
 pub use backend::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor, OpaqueMemory, BLOCK_ALIGN};
 pub use config::{
     parse_size, AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
-    WorkspaceConfiguration,
+    WorkspaceConfiguration, MAX_CYCLES_BEFORE_INITIALIZATION,
 };
 pub use error::{BackendError, Cause, Error, Refusal};
 pub use huge::HUGE_BLOCK_MIN;

@@ -250,7 +250,7 @@ impl Workspace {
         let token = NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let name = Name::from(name);
         let own = OwnBlocks::new(limit.clone(), backend.clone(), token)
-            .map_err(|cause| Error::system(&name, cause.bytes as u64, cause))?;
+            .map_err(|cause| Error::system(&name, cause.bytes as u64, 0, config.max_size, cause))?;
         let mut ws = Workspace {
             name,
             token,
@@ -423,7 +423,7 @@ impl Workspace {
             workspace: self.name.clone(),
             requested,
             in_use: self.accounts.used + self.accounts.external,
-            limit: if self.config.max_size > 0 { self.config.max_size } else { self.regions.capacity() as u64 },
+            limit: self.refusal_limit(),
             footprint: self.footprint() as u64,
             pinned: self.accounts.pinned,
             cached: (self.own.cached_bytes() + self.huge.cached().1) as u64,
@@ -438,7 +438,22 @@ impl Workspace {
         let recorder = self.limit.recorder();
         recorder.set_context(0);
         recorder.record(Action::Oom, 0, size, 0, self.room() as u64);
-        Error::system(&self.name, size as u64, cause)
+        self.system_error(size as u64, cause)
+    }
+
+    /// The system refused `requested` bytes for `cause`: the error, with what the workspace holds
+    /// live and its limit, as a refusal of its own gives them.
+    fn system_error(&self, requested: u64, cause: BackendError) -> Error {
+        Error::system(&self.name, requested, self.accounts.used + self.accounts.external, self.refusal_limit(), cause)
+    }
+
+    /// The limit a refusal names: `max_size`, or the arena's capacity where there is none.
+    fn refusal_limit(&self) -> u64 {
+        if self.config.max_size > 0 {
+            self.config.max_size
+        } else {
+            self.regions.capacity() as u64
+        }
     }
 
     /// Bytes the workspace could still take: what its limit grants, or without one what the
@@ -492,7 +507,7 @@ impl Workspace {
         // arena, and sizing is tried again): counted, not recorded.
         let region = ArenaRegion::new(id, self.token, cap, self.limit.clone(), self.route.lists).map_err(|cause| {
             self.accounts.failures += 1;
-            Error::system(&self.name, cap as u64, cause)
+            self.system_error(cap as u64, cause)
         })?;
         // Pre-fault what cycles will touch again, so that a learned cycle takes no page faults;
         // the overallocation, and anything past the bounds, costs address space only. Deferred
@@ -1216,11 +1231,7 @@ impl Workspace {
         let r = self.limit.recorder();
         if !r.set(max_entries) {
             let bytes = max_entries.unwrap_or(0).saturating_mul(std::mem::size_of::<crate::history::Event>());
-            return Err(Error::system(
-                &self.name,
-                bytes as u64,
-                BackendError::os("record a history", bytes, libc::ENOMEM),
-            ));
+            return Err(self.system_error(bytes as u64, BackendError::os("record a history", bytes, libc::ENOMEM)));
         }
         r.set_cycle(self.cycles.completed);
         self.recording = r.is_on();

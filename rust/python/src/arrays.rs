@@ -184,7 +184,8 @@ pub(crate) fn sequence_array<'py>(
     items: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyAny>> {
     static ASARRAY: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
-    let asarray = ASARRAY.get_or_try_init(py, || py.import("numpy")?.getattr("asarray").map(Bound::unbind))?;
+    let asarray =
+        crate::once::get_or_try_make(&ASARRAY, py, || py.import("numpy")?.getattr("asarray").map(Bound::unbind))?;
     shared::take_last_refusal();
     let made = match asarray.bind(py).call1((items,)) {
         Ok(made) => made,
@@ -227,7 +228,7 @@ const NPY_ARRAY_WRITEABLE: std::ffi::c_int = 0x0400;
 /// handler.
 pub(crate) fn direct_arrays_supported(py: Python<'_>) -> bool {
     static SUPPORTED: pyo3::sync::PyOnceLock<bool> = pyo3::sync::PyOnceLock::new();
-    *SUPPORTED.get_or_init(py, || {
+    *crate::once::get_or_make(&SUPPORTED, py, || {
         let probe = || -> PyResult<bool> {
             let previous = handler::set_handler(py, None)?;
             let default = handler::get_handler(py);

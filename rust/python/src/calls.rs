@@ -101,6 +101,9 @@ pub(crate) fn call_method<'py>(
 pub(crate) struct Names {
     pub after_cycle: Py<PyString>,
     pub value: Py<PyString>,
+    pub asyncio: Py<PyString>,
+    pub mirror_ws: Py<PyString>,
+    pub str_: Py<PyString>,
     /// The configuration's fields, in the order of `WorkspaceConfiguration::FIELDS`.
     pub fields: Vec<Py<PyString>>,
 }
@@ -109,9 +112,12 @@ static NAMES: PyOnceLock<Names> = PyOnceLock::new();
 
 /// Makes the names: called when the extension is imported.
 pub(crate) fn init(py: Python<'_>) -> PyResult<()> {
-    NAMES.get_or_init(py, || Names {
+    crate::once::get_or_make(&NAMES, py, || Names {
         after_cycle: PyString::intern(py, "_after_cycle").unbind(),
         value: PyString::intern(py, "value").unbind(),
+        asyncio: PyString::intern(py, "asyncio").unbind(),
+        mirror_ws: PyString::intern(py, "_mirror_ws").unbind(),
+        str_: PyString::intern(py, "str").unbind(),
         fields: rustws_core::WorkspaceConfiguration::FIELDS.iter().map(|f| PyString::intern(py, f).unbind()).collect(),
     });
     Ok(())

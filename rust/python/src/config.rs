@@ -99,9 +99,24 @@ pub(crate) fn config_from_dict(d: &Bound<'_, PyDict>) -> PyResult<WorkspaceConfi
             v.extract::<f64>().map_err(|_| PyTypeError::new_err("overallocation_limit must be a number"))?;
     }
     if let Some(v) = item(d, "cycles_before_initialization")? {
-        let n = v.extract::<i128>().map_err(|_| PyTypeError::new_err("cycles_before_initialization must be an int"))?;
-        c.cycles_before_initialization = u64::try_from(n)
-            .map_err(|_| field_error("cycles_before_initialization", format!("must be >= 0, got {n}")))?;
+        const FIELD: &str = "cycles_before_initialization";
+        let not_int = || PyTypeError::new_err("cycles_before_initialization must be an int");
+        if v.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(not_int());
+        }
+        // Any integer (`operator.index`, NumPy's included); one past 128 bits is out of range as
+        // surely as one past 64.
+        // SAFETY: a live object; the result is a new reference, or NULL with an exception set.
+        let v = unsafe { Bound::from_owned_ptr_or_err(d.py(), pyo3::ffi::PyNumber_Index(v.as_ptr())) }
+            .map_err(|_| not_int())?;
+        c.cycles_before_initialization = match v.extract::<u64>() {
+            Ok(n) => n,
+            Err(_) if v.lt(0)? => return Err(field_error(FIELD, format!("must be >= 0, got {v}"))),
+            Err(_) => {
+                let most = rustws_core::MAX_CYCLES_BEFORE_INITIALIZATION;
+                return Err(field_error(FIELD, format!("must be at most {most}, got {v}")));
+            }
+        };
     }
     if let Some(v) = item(d, "temp_file_path")? {
         if !v.is_none() {

@@ -225,7 +225,7 @@ impl Cycles {
 fn runs_no_python(items: &Bound<'_, pyo3::types::PyIterator>) -> bool {
     static RANGES: PyOnceLock<[usize; 2]> = PyOnceLock::new();
     let py = items.py();
-    let ranges = RANGES.get_or_init(py, || {
+    let ranges = crate::once::get_or_make(&RANGES, py, || {
         let kind = |obj: PyResult<Bound<'_, PyAny>>| {
             obj.and_then(|o| o.try_iter()).map(|it| it.get_type().as_ptr() as usize).unwrap_or(0)
         };

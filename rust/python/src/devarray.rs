@@ -237,7 +237,8 @@ type MemoryOf<'py> = (Option<Bound<'py, PyAny>>, Option<Arc<Block>>);
 
 /// The host mirror workspace of a device workspace (None without `FULL` mirroring).
 fn mirror_ws<'py>(ws: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
-    ws.getattr(pyo3::intern!(ws.py(), "_mirror_ws")).ok().filter(|m| !m.is_none())
+    let name = crate::calls::names(ws.py()).ok()?.mirror_ws.bind(ws.py());
+    ws.getattr(name).ok().filter(|m| !m.is_none())
 }
 
 /// An independent copy of `a` in ordinary memory.
@@ -521,7 +522,7 @@ impl DeviceArray {
         let c_order = !self.fortran || self.shape.bind(py).len() <= 1;
         // A consumer now references the memory through this object: it stays alive with it.
         self.exported = true;
-        let typestr = self.dtype.bind(py).getattr(pyo3::intern!(py, "str"))?;
+        let typestr = self.dtype.bind(py).getattr(crate::calls::names(py)?.str_.bind(py))?;
         let d = PyDict::new(py);
         d.set_item("shape", self.shape.bind(py))?;
         d.set_item("typestr", &typestr)?;

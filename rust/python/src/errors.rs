@@ -35,7 +35,7 @@ static ERRORS: PyOnceLock<Errors> = PyOnceLock::new();
 /// Finds the factories and classes of `rustws._errors`: called when the extension is imported,
 /// so that raising never has to look anything up.
 pub(crate) fn init(py: Python<'_>) -> PyResult<()> {
-    ERRORS.get_or_try_init(py, || -> PyResult<Errors> {
+    crate::once::get_or_try_make(&ERRORS, py, || -> PyResult<Errors> {
         let m = py.import("rustws._errors")?;
         let get = |name: &str| m.getattr(name).map(Bound::unbind);
         Ok(Errors {
@@ -86,9 +86,11 @@ fn exception<'py>(py: Python<'py>, e: &Error) -> PyResult<Bound<'py, PyAny>> {
                 Arg::Text(r.reason),
             ],
         ),
-        Error::SystemOutOfMemory { workspace, requested, cause } => {
+        Error::SystemOutOfMemory { workspace, requested, in_use, limit, cause } => {
             let system = describe(py, cause)?;
-            call(py, f.system_refused.bind(py), &[Arg::Text(workspace), Arg::Int(*requested), Arg::Object(&system)])
+            let args =
+                [Arg::Text(workspace), Arg::Int(*requested), Arg::Int(*in_use), Arg::Int(*limit), Arg::Object(&system)];
+            call(py, f.system_refused.bind(py), &args)
         }
         Error::Destroyed { workspace } => call(py, f.closed.bind(py), &[Arg::Text(workspace)]),
         Error::NotOpen { workspace, operation } => {

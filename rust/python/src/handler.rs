@@ -456,27 +456,26 @@ pub fn new_capsule(py: Python<'_>, shared: &Arc<Shared>) -> PyResult<Py<PyAny>> 
 /// NumPy's C-API table, for the handler slots rust-numpy does not expose.
 fn api_table(py: Python<'_>) -> PyResult<*const *const c_void> {
     static TABLE: PyOnceLock<usize> = PyOnceLock::new();
-    TABLE
-        .get_or_try_init(py, || -> PyResult<usize> {
-            let module = py.import("numpy._core.multiarray").or_else(|_| py.import("numpy.core.multiarray"))?;
-            let capsule = module.getattr("_ARRAY_API")?;
-            // SAFETY: `_ARRAY_API` is NumPy's unnamed capsule holding its C-API table.
-            let p = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), std::ptr::null()) };
-            if p.is_null() {
-                return Err(PyErr::fetch(py));
-            }
-            // SAFETY: slot 0 is `PyArray_GetNDArrayCVersion`; slot 211 is
-            // `PyArray_GetNDArrayCFeatureVersion`, present since NumPy 1.4.
-            let feature: unsafe extern "C" fn() -> u32 =
-                unsafe { std::mem::transmute(*(p as *const *const c_void).add(211)) };
-            // SAFETY: a plain query with no arguments.
-            if unsafe { feature() } < 0x0f {
-                return Err(PyRuntimeError::new_err("rustws needs NumPy >= 1.22 (NEP 49 memory handlers)"));
-            }
-            // The capsule is kept alive by NumPy's module for the life of the process.
-            Ok(p as usize)
-        })
-        .map(|p| *p as *const *const c_void)
+    crate::once::get_or_try_make(&TABLE, py, || -> PyResult<usize> {
+        let module = py.import("numpy._core.multiarray").or_else(|_| py.import("numpy.core.multiarray"))?;
+        let capsule = module.getattr("_ARRAY_API")?;
+        // SAFETY: `_ARRAY_API` is NumPy's unnamed capsule holding its C-API table.
+        let p = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), std::ptr::null()) };
+        if p.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        // SAFETY: slot 0 is `PyArray_GetNDArrayCVersion`; slot 211 is
+        // `PyArray_GetNDArrayCFeatureVersion`, present since NumPy 1.4.
+        let feature: unsafe extern "C" fn() -> u32 =
+            unsafe { std::mem::transmute(*(p as *const *const c_void).add(211)) };
+        // SAFETY: a plain query with no arguments.
+        if unsafe { feature() } < 0x0f {
+            return Err(PyRuntimeError::new_err("rustws needs NumPy >= 1.22 (NEP 49 memory handlers)"));
+        }
+        // The capsule is kept alive by NumPy's module for the life of the process.
+        Ok(p as usize)
+    })
+    .map(|p| *p as *const *const c_void)
 }
 
 /// The name of the handler a `mem_handler` capsule lends.
@@ -540,14 +539,13 @@ pub fn set_handler<'py>(py: Python<'py>, handler: Option<&Bound<'py, PyAny>>) ->
 /// NumPy's default handler capsule (the same object for the life of the process).
 pub fn default_handler(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
     static DEFAULT: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    DEFAULT
-        .get_or_try_init(py, || -> PyResult<Py<PyAny>> {
-            let previous = set_handler(py, None)?;
-            let default = get_handler(py);
-            set_handler(py, Some(&previous))?;
-            Ok(default?.unbind())
-        })
-        .map(|h| h.bind(py))
+    crate::once::get_or_try_make(&DEFAULT, py, || -> PyResult<Py<PyAny>> {
+        let previous = set_handler(py, None)?;
+        let default = get_handler(py);
+        set_handler(py, Some(&previous))?;
+        Ok(default?.unbind())
+    })
+    .map(|h| h.bind(py))
 }
 
 /// The `PyDataMemHandler` a `mem_handler` capsule lends (null for anything else; no exception).

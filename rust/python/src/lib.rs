@@ -25,6 +25,7 @@ mod dlpack;
 mod errors;
 mod handler;
 mod memory;
+mod once;
 mod panics;
 mod scope;
 mod shared;
@@ -188,6 +189,11 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::init(py)?;
     threadstate::init(py)?;
     handler::init_default_allocator(py)?;
+    // rust-numpy's cells (its C-API table, the NumPy version) are made now, on the importing
+    // thread: made first on another thread, PyO3's cells can be left half made by a fork (see
+    // `once`), and this module's own cells are made so that they cannot.
+    arrays::direct_arrays_supported(py);
+    numpy::npyffi::is_numpy_2(py);
     m.add_class::<WorkspaceCore>()?;
     // The one definition of the statistics' and the configuration's fields (the Python
     // dataclasses follow them; a test checks).

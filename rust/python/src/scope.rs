@@ -240,7 +240,7 @@ fn new_node<'py>(
 /// (then NumPy's `PyDataMem_GetHandler` / `PyDataMem_SetHandler` serve).
 fn numpy_var(py: Python<'_>) -> Option<&Bound<'_, PyAny>> {
     static VAR: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
-    VAR.get_or_init(py, || {
+    crate::once::get_or_make(&VAR, py, || {
         let find = || -> PyResult<Option<Py<PyAny>>> {
             // Set it in this context (to its own value) so that the context lists it.
             let current = handler::get_handler(py)?;
@@ -344,10 +344,11 @@ pub fn current_task(py: Python<'_>) -> usize {
     // SAFETY: as above.
     let modules = unsafe { Bound::from_borrowed_ptr(py, modules) };
     let Ok(modules) = modules.cast::<pyo3::types::PyDict>() else { return 0 };
-    if !modules.contains(pyo3::intern!(py, "asyncio")).unwrap_or(false) {
+    let Ok(names) = crate::calls::names(py) else { return 0 };
+    if !modules.contains(names.asyncio.bind(py)).unwrap_or(false) {
         return 0;
     }
-    let functions = FUNCTIONS.get_or_init(py, || {
+    let functions = crate::once::get_or_make(&FUNCTIONS, py, || {
         let events = py.import("asyncio").ok()?;
         Some((events.getattr("_get_running_loop").ok()?.unbind(), events.getattr("current_task").ok()?.unbind()))
     });

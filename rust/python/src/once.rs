@@ -1,0 +1,43 @@
+//! Values made once per process, in cells that a fork never leaves half made.
+//!
+//! PyO3's `PyOnceLock::get_or_init` marks its cell as being initialised, then lets go of the
+//! GIL while it waits for it: another thread can run Python meanwhile, and an `os.fork()` there
+//! gives the child a cell marked as being initialised by a thread the child does not have, which
+//! every later use in the child waits for forever. Here a value is made with no cell held (the
+//! making may run Python and let other threads run), then stored under the GIL, which a fork
+//! cannot interleave with: two threads racing both make one, and the first stored wins. What
+//! PyO3's and rust-numpy's own cells hold is made at import (see `warm` in the module's init).
+
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+
+/// `cell`'s value, made by `make` where there is none yet.
+pub(crate) fn get_or_make<'a, T>(cell: &'a PyOnceLock<T>, py: Python<'_>, make: impl FnOnce() -> T) -> &'a T {
+    if let Some(v) = cell.get(py) {
+        return v;
+    }
+    store(cell, py, make())
+}
+
+/// `cell`'s value, made by `make` where there is none yet; a failure stores nothing.
+pub(crate) fn get_or_try_make<'a, T, E>(
+    cell: &'a PyOnceLock<T>,
+    py: Python<'_>,
+    make: impl FnOnce() -> Result<T, E>,
+) -> Result<&'a T, E> {
+    if let Some(v) = cell.get(py) {
+        return Ok(v);
+    }
+    Ok(store(cell, py, make()?))
+}
+
+#[cold]
+fn store<'a, T>(cell: &'a PyOnceLock<T>, py: Python<'_>, value: T) -> &'a T {
+    // Another thread's value, stored first, stays; ours is dropped here, with the GIL held.
+    let _ = cell.set(py, value);
+    match cell.get(py) {
+        Some(v) => v,
+        // `set` either stored the value or found one: the cell is never empty after it.
+        None => unreachable!("a PyOnceLock is set after set"),
+    }
+}
