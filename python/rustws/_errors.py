@@ -184,10 +184,12 @@ def _fmt(n: int) -> str:
     return f"{x / 1024:.1f} TiB"
 
 
-def _system_refused(workspace: str, requested: int, in_use: int, limit: int, system: str) -> WorkspaceOutOfMemory:
+def _system_refused(
+    workspace: str, requested: int, in_use: int, limit: int, system: str
+) -> WorkspaceOutOfMemory:
     e = WorkspaceOutOfMemory(
-        f"workspace {_quoted(workspace)} cannot allocate {requested} bytes: {in_use} bytes in use, limit {limit} "
-        f"bytes (the system refused memory: {system})"
+        f"workspace {_quoted(workspace)} cannot allocate {requested} bytes: {in_use} bytes in use, "
+        f"limit {limit} bytes (the system refused memory: {system})"
     )
     e.workspace, e.requested, e.reason, e.system = workspace, requested, "the system refused memory", system
     e.in_use, e.limit = in_use, limit

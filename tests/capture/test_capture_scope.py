@@ -388,6 +388,54 @@ def test_a_with_left_open_in_a_loop_ends_with_the_loops_cycle():
     assert ws.stats().cycles == 2 and not ws.is_open
 
 
+def test_a_with_open_across_a_loops_boundary_ends_with_that_cycle():
+    """A `with ws:` entered in a loop's cycle and still open when the loop moves on (entered by
+    hand, or in a generator advanced beside the loop) nested in the cycle that ended: it ended
+    with it, capture goes on in the loop's next cycle, and its exit only unwinds."""
+    ws = rustws.workspace("ACROSS", cfg())
+    loop = ws.cycles(range(3))
+    next(loop)
+    ws.__enter__()
+    assert ws.depth == 2
+    next(loop)
+    assert ws.depth == 1 and allocate() == (ws, ws)
+    ws.__exit__(None, None, None)  # no error: the level ended with the cycle it nested in
+    assert ws.depth == 1 and allocate() == (ws, ws)
+    assert list(loop) == [2]
+    assert not ws.is_open and ws.depth == 0 and rustws.current_workspace() is None
+    assert ws.stats().cycles == 3 and allocate() == (None, None)
+
+
+def test_a_with_never_exits_a_loops_scope_above_it():
+    """A generator holding a `with ws:` advanced beside a loop over `ws` (`zip`): the `with`
+    exits while the loop's scope is the innermost one. It unlinks its own scope, with a warning,
+    not the loop's: the loop goes on, and once everything closed the workspace is closed and
+    every `with ws:` is a cycle again."""
+    ws = rustws.workspace("BESIDE", cfg())
+
+    def held(n):
+        with ws:
+            yield from range(n)
+
+    def looped(n):
+        yield from ws.cycles(range(n))
+
+    inner = looped(4)
+    with pytest.warns(ResourceWarning, match="unlinked"):
+        for i, j in zip(held(3), inner, strict=False):  # `held` ends first
+            assert allocate() == (ws, ws) and i == j
+    assert ws.stats().cycles == 3  # the `with`'s cycle, and two of the loop's
+    assert next(inner) == 3 and allocate() == (ws, ws)
+    inner.close()
+    assert not ws.is_open and ws.depth == 0 and rustws.current_workspace() is None
+    assert allocate() == (None, None)
+    before = ws.stats().cycles
+    for _ in range(5):
+        with ws:
+            assert allocate() == (ws, ws)
+    assert ws.stats().cycles == before + 5 and not ws.is_open
+
+
 def test_the_loop_form_nests_in_an_open_cycle_of_another_workspace():
     outer = rustws.workspace("OUTER", cfg())
     inner = rustws.workspace("INNER", cfg())

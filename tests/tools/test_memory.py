@@ -308,7 +308,8 @@ def test_the_verdict_tells_the_limit_from_fragmentation_and_the_spill_policy():
     )
     frag = _refused("W", 2 * M, M, 8 * M, 8 * M, 0, 0, M, M // 2, "max_size reached").verdict
     assert "fragmentation" in frag and "largest is 1.0 MiB" in frag and "raise max_size by 1.5 MiB" in frag
-    system = _system_refused("W", 3 * M, M, 0, "map of 3145728 bytes failed: Cannot allocate memory (os error 12)")
+    refused = "map of 3145728 bytes failed: Cannot allocate memory (os error 12)"
+    system = _system_refused("W", 3 * M, M, 0, refused)
     assert system.verdict.startswith("rustws verdict: the system") and "set max_size" in system.verdict
     assert system.__notes__ == [system.verdict]
     fail = _refused("W", M, 0, M, M, 0, 0, 0, 0, "the arena is full and the spill policy is FAIL").verdict

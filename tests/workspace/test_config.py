@@ -210,11 +210,14 @@ def test_a_count_too_large_says_the_most_it_may_be(n):
 
 def test_numpy_scalars_are_numbers_as_python_ints_and_floats_are():
     c = WorkspaceConfiguration(
-        cycles_before_initialization=np.int64(3), overallocation_limit=np.float32(0.5), initial_size=np.uint32(4096)
+        cycles_before_initialization=np.int64(3),
+        overallocation_limit=np.float32(0.5),
+        initial_size=np.uint32(4096),
     )
     assert (c.cycles_before_initialization, c.overallocation_limit, c.initial_size) == (3, 0.5, 4096)
     assert type(c.cycles_before_initialization) is int and type(c.overallocation_limit) is float
-    assert c == WorkspaceConfiguration(cycles_before_initialization=3, overallocation_limit=0.5, initial_size=4096)
+    same = WorkspaceConfiguration(cycles_before_initialization=3, overallocation_limit=0.5, initial_size=4096)
+    assert c == same
 
 
 def test_positional_arguments_are_refused():

@@ -475,3 +475,44 @@ mod long_cycles {
         }
     }
 }
+
+/// Empty first cycles (warm-ups, `with ws: pass`) learn nothing that stops the adaptive profile:
+/// the cycles after them that need more than the initial arena grow it, as they would have
+/// without the warm-ups, and stop spilling. (ND4J's `FIRST_LOOP`, an explicit configuration,
+/// learns its size from the first cycle, empty or not.) Each cycle keeps its two results until
+/// the next one has made its own.
+#[test]
+fn empty_first_cycles_do_not_stop_the_adaptive_arena_from_growing() {
+    for (name, backend) in backends() {
+        for warmups in [0, 1, 3] {
+            let config = WorkspaceConfiguration { initial_size: MIB as u64, ..WorkspaceConfiguration::adaptive() };
+            let mut w = Workspace::with_backend(name, config, backend.clone()).unwrap();
+            for _ in 0..warmups {
+                w.enter().unwrap();
+                w.exit().unwrap();
+            }
+            let mut kept: Vec<NonNull<u8>> = Vec::new();
+            let mut spills = Vec::new();
+            for k in 0..12usize {
+                let size = [2 * MIB, 3 * MIB, MIB + 300 * KIB, 2 * MIB + 100 * KIB][k % 4];
+                w.enter().unwrap();
+                let made = [w.alloc(size).unwrap(), w.alloc(size).unwrap()];
+                for p in kept.drain(..) {
+                    // SAFETY: live blocks of this workspace, freed once.
+                    unsafe { w.free(p) };
+                }
+                kept.extend(made);
+                let before = w.stats().spill_count;
+                w.exit().unwrap();
+                spills.push(before);
+            }
+            let s = w.stats();
+            assert!(s.capacity_bytes >= 6 * MIB as u64, "{name}, {warmups} warm-ups: arena {s:?}");
+            assert_eq!(spills[11], spills[4], "{name}, {warmups} warm-ups: still spilling after learning: {spills:?}");
+            for p in kept {
+                // SAFETY: live blocks of this workspace, freed once.
+                unsafe { w.free(p) };
+            }
+        }
+    }
+}

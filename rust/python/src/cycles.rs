@@ -112,7 +112,10 @@ impl Cycles {
                         return self.turn(py, state, k);
                     }
                     k.open = false;
-                    let ended = self.core.end_iteration(py, ws, &state);
+                    // Levels nested in the cycle and still open end with it (an error finding them
+                    // is the iterable's to see after the cycle ended).
+                    let (_, orphans) = scope::in_stack(py, ws, &state).unwrap_or((false, 0));
+                    let ended = self.core.end_iteration(py, ws, &state, orphans);
                     k.scope = Some(state);
                     if let Err(e) = ended {
                         return (Err(e), k);
@@ -143,7 +146,8 @@ impl Cycles {
     fn open_with(&self, py: Python<'_>, item: Bound<'_, PyAny>, mut k: Kept) -> Step {
         let core = &self.core;
         if let Some(state) = k.scope.take() {
-            match scope::in_stack(py, &state).and_then(|here| core.begin_iteration(py, &state, here)) {
+            let here = scope::in_stack(py, self.ws.bind(py), &state).map(|(here, _)| here);
+            match here.and_then(|here| core.begin_iteration(py, &state, here)) {
                 Ok(true) => {
                     k.scope = Some(state);
                     k.open = true;
@@ -176,11 +180,14 @@ impl Cycles {
         let ws = self.ws.bind(py);
         let core = &self.core;
         k.open = false;
+        // Where the loop's scope is, and the levels nested in its cycle that end with it.
+        let found = scope::in_stack(py, ws, &state);
+        let orphans = found.as_ref().map_or(0, |&(_, orphans)| orphans);
         let item = match self.items.bind(py).clone().next() {
             Some(Ok(item)) => item,
             ended => {
                 // The last item: the cycle ends as it does after any iterable, then the loop.
-                let end = core.end_iteration(py, ws, &state);
+                let end = core.end_iteration(py, ws, &state, orphans);
                 k.scope = Some(state);
                 if let Err(e) = end {
                     return (Err(e), k);
@@ -188,17 +195,17 @@ impl Cycles {
                 return self.finish(py, ended, k);
             }
         };
-        let here = match scope::in_stack(py, &state) {
-            Ok(here) => here,
+        let here = match found {
+            Ok((here, _)) => here,
             Err(e) => {
                 // The cycle still ends; the item waits for the next call.
-                let end = core.end_iteration(py, ws, &state);
+                let end = core.end_iteration(py, ws, &state, 0);
                 k.scope = Some(state);
                 k.pending = Some(item.unbind());
                 return (end.and(Err(e)), k);
             }
         };
-        match core.turn_iteration(py, ws, &state, here) {
+        match core.turn_iteration(py, ws, &state, here, orphans) {
             Ok(true) => {
                 k.scope = Some(state);
                 k.open = true;

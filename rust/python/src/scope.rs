@@ -430,19 +430,52 @@ pub fn settle(py: Python<'_>) -> PyResult<()> {
     Ok(())
 }
 
-/// Whether this context's stack holds the node of `state`, wherever it is: the loop form reopens
-/// it in place when nothing took it out meanwhile (another loop's scope may lie above it, when two
-/// loops over a workspace advance in turn).
-pub fn in_stack(py: Python<'_>, state: &Arc<ScopeState>) -> PyResult<bool> {
-    let mut cursor = current_handler(py)?;
+/// Whether this context's stack holds the node of `state` (a loop's scope of the workspace `key`),
+/// wherever it is, and how many levels of `key` nested in its cycle lie above it: the loop form
+/// ends that cycle and reopens its scope in place when nothing took it out meanwhile (another
+/// loop's scope may lie above it, when two loops over a workspace advance in turn). The nested
+/// levels (a `with ws:` entered in the loop's cycle and still open, in a generator advanced beside
+/// the loop) are orphaned here: the cycle they nested in ends under them, and their exits will
+/// only unwind. The caller takes them off the workspace's nesting as the cycle ends.
+pub fn in_stack(py: Python<'_>, key: &Bound<'_, PyAny>, state: &Arc<ScopeState>) -> PyResult<(bool, u32)> {
+    let top = current_handler(py)?;
+    // The common case: the loop's own scope is the innermost.
+    if as_node(&top).is_some_and(|node| Arc::ptr_eq(&node.data.state, state)) {
+        return Ok((true, 0));
+    }
+    let mut above: Vec<Bound<'_, PyAny>> = Vec::new();
+    let mut cursor = top;
     while let Some(node) = as_node(&cursor) {
         if Arc::ptr_eq(&node.data.state, state) {
-            return Ok(true);
+            return Ok((true, orphan_nested(key, above.iter().rev())));
         }
         let next = node.below();
+        if node.is_here() {
+            above.push(cursor);
+        }
         cursor = next;
     }
-    Ok(false)
+    Ok((false, 0))
+}
+
+/// Marks orphaned the levels of the workspace `key` among `nodes` (from the one just above a scope
+/// whose cycle ends, upwards) that nested in that cycle: up to the first scope of `key` opening a
+/// cycle of its own, above which levels nest in that one. Returns how many it marked.
+fn orphan_nested<'a, 'py: 'a>(key: &Bound<'_, PyAny>, nodes: impl Iterator<Item = &'a Bound<'py, PyAny>>) -> u32 {
+    let mut orphans = 0;
+    for node in nodes.filter_map(as_node) {
+        if !(node.key_is(key) && node.is_here()) {
+            continue;
+        }
+        if node.data.state.opened_cycle() {
+            break;
+        }
+        if !node.data.state.is_orphaned() {
+            node.data.state.orphan();
+            orphans += 1;
+        }
+    }
+    orphans
 }
 
 /// Reopens the innermost node when it is a closed scope of the workspace `key` opened on this
@@ -460,6 +493,7 @@ pub fn reopen(
     let Some(node) = as_node(&top) else { return Ok(None) };
     let state = &node.data.state;
     if !node.key_is(key)
+        || state.held
         || node.data.owner != key.as_ptr()
         || node.data.capture.is_some() != captures
         || state.thread != thread_ident()
@@ -530,16 +564,18 @@ pub enum Popped {
     NotHere,
 }
 
-/// Pops the scope `key` with `state` (None: the innermost of `key` on this thread), closes its
-/// state and restores what was below it. The innermost scope is popped in O(1); another one is
-/// unlinked from wherever it is, the open nodes above it rebuilt over what was below it (a node
-/// that lent the handler below it now lends the new one). Nodes of closed scopes and of other
-/// threads on the way are dropped.
+/// Pops the scope `key` with `state` (None: the innermost of `key` a `with` entered on this
+/// thread), closes its state and restores what was below it. The innermost scope is popped in
+/// O(1); another one is unlinked from wherever it is, the open nodes above it rebuilt over what
+/// was below it (a node that lent the handler below it now lends the new one). Nodes of closed
+/// scopes and of other threads on the way are dropped.
 pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState>>) -> PyResult<Popped> {
     let _gc = GcPaused::new(py);
     let top = current_handler(py)?;
+    // Without a state (a `with`'s exit), the innermost scope of `key` that a `with` entered: a
+    // loop's scope above it is the loop's to exit.
     let matches = |node: &Node<'_, '_>| {
-        node.key_is(key) && node.is_here() && state.is_none_or(|s| Arc::ptr_eq(s, &node.data.state))
+        node.key_is(key) && node.is_here() && state.map_or(!node.data.state.held, |s| Arc::ptr_eq(s, &node.data.state))
     };
     if let Some(node) = as_node(&top) {
         if matches(&node) {
@@ -591,21 +627,7 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     install(py, &rebuilt)?;
     // Levels of this workspace nested in the popped scope's cycle (above it, below any cycle of
     // the workspace opened above it) end with that cycle.
-    let mut orphans = 0;
-    if popped.opened_cycle() {
-        for node in above.iter().rev().filter_map(as_node) {
-            if !(node.key_is(key) && node.is_here()) {
-                continue;
-            }
-            if node.data.state.opened_cycle() {
-                break;
-            }
-            if !node.data.state.is_orphaned() {
-                node.data.state.orphan();
-                orphans += 1;
-            }
-        }
-    }
+    let orphans = if popped.opened_cycle() { orphan_nested(key, above.iter().rev()) } else { 0 };
     match above.first().and_then(as_node) {
         Some(n) => Ok(Popped::Unlinked(popped, describe(&n.owner()), orphans)),
         None => Ok(Popped::Innermost(popped)),
@@ -687,7 +709,7 @@ impl Scope {
             Some((shared, capsule)) if shared.installs_handler() => Install::Capture(shared.clone(), capsule.bind(py)),
             Some(_) => Install::Keep,
         };
-        let state = ScopeState::new(false, 0);
+        let state = ScopeState::new(false, 0, false);
         push(py, owner, slf.as_any(), how, state.clone())?;
         me.open.lock().unwrap_or_else(|e| e.into_inner()).push(state);
         Ok(owner.clone())

@@ -261,10 +261,13 @@ pub(crate) struct ScopeState {
     /// A level nested in a cycle that ended under it (the cycle's scope unlinked while this one,
     /// above it, was still open): the level ended with the cycle, and its exit only unwinds.
     orphaned: AtomicBool,
+    /// Held by the code that entered it (the loop form), which ends its cycles and exits it with
+    /// this state: a `with` of the same workspace never exits or reopens it.
+    pub held: bool,
 }
 
 impl ScopeState {
-    pub fn new(cycle: bool, task: usize) -> Arc<Self> {
+    pub fn new(cycle: bool, task: usize, held: bool) -> Arc<Self> {
         Arc::new(ScopeState {
             thread: thread_ident(),
             open: AtomicBool::new(true),
@@ -273,6 +276,7 @@ impl ScopeState {
             context: AtomicUsize::new(0),
             frame: AtomicUsize::new(caller_frame()),
             orphaned: AtomicBool::new(false),
+            held,
         })
     }
 

@@ -106,7 +106,8 @@ impl CoreState {
                 } else {
                     scope::Install::Keep
                 };
-                let state = ScopeState::new(!nested, task);
+                // Entered for the loop form (`nests` false), it is the loop's to end and exit.
+                let state = ScopeState::new(!nested, task, !nests);
                 scope::push(py, me, me, how, state.clone()).map_err(undo)?;
                 state
             }
@@ -135,19 +136,36 @@ impl CoreState {
 
     /// The loop form's end of an iteration: closes `state`'s cycle and leaves its node in place
     /// for the next iteration.
-    pub(crate) fn end_iteration(&self, py: Python<'_>, me: &Bound<'_, PyAny>, state: &ScopeState) -> PyResult<()> {
+    /// `orphans`: levels of this workspace nested in the cycle and still open, which end with it
+    /// (see `scope::in_stack`).
+    pub(crate) fn end_iteration(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        state: &ScopeState,
+        orphans: u32,
+    ) -> PyResult<()> {
         state.close();
-        self.end_level(py, me, state, true)
+        self.end_level(py, me, state, true, orphans)
     }
 
     /// Ends what `state` opened in the core (its cycle, or its nested level), then reports
     /// refused requests and escaped arrays (see `after_cycle`); nothing once destroyed.
-    fn end_level(&self, py: Python<'_>, me: &Bound<'_, PyAny>, state: &ScopeState, clean: bool) -> PyResult<()> {
+    /// `orphans`: levels nested in `state`'s cycle that end with it, taken off the nesting first.
+    fn end_level(
+        &self,
+        py: Python<'_>,
+        me: &Bound<'_, PyAny>,
+        state: &ScopeState,
+        clean: bool,
+        orphans: u32,
+    ) -> PyResult<()> {
         if self.shared.is_destroyed() {
             return Ok(());
         }
         let ended = {
             let mut ws = self.shared.lock();
+            unnest(&mut ws, orphans);
             if state.opened_cycle() {
                 ws.close_cycle()
             } else if state.is_orphaned() {
@@ -185,14 +203,16 @@ impl CoreState {
         me: &Bound<'_, PyAny>,
         state: &ScopeState,
         in_stack: bool,
+        orphans: u32,
     ) -> PyResult<bool> {
         if !in_stack || !state.opened_cycle() || self.shared.is_destroyed() {
-            self.end_iteration(py, me, state)?;
+            self.end_iteration(py, me, state, orphans)?;
             return self.begin_iteration(py, state, in_stack);
         }
         state.close();
         let (ended, opened) = {
             let mut ws = self.shared.lock();
+            unnest(&mut ws, orphans);
             let ended = ws.close_cycle();
             let quiet = matches!(&ended, Ok(r) if !self.reports(r));
             let opened = if quiet { Some(ws.reopen_cycle()) } else { None };
@@ -317,16 +337,19 @@ impl CoreState {
         clean: bool,
     ) -> PyResult<()> {
         self.forget_scope(py, state);
-        if let Some((_, orphans @ 1..)) = &unlinked_under {
-            let mut ws = self.shared.lock();
-            for _ in 0..*orphans {
-                let _ = ws.unnest(); // none left once every cycle closed: nothing to undo
-            }
-        }
-        self.end_level(py, me, state, clean)?;
+        let orphans = unlinked_under.as_ref().map_or(0, |(_, orphans)| *orphans);
+        self.end_level(py, me, state, clean, orphans)?;
         if let Some((innermost, _)) = unlinked_under {
             scope::warn_unlinked(py, &scope::describe(me), &innermost)?;
         }
         Ok(())
+    }
+}
+
+/// Takes `levels` nested levels off the workspace's nesting: those of scopes whose cycle ends
+/// under them (none are left once every cycle closed: nothing to undo then).
+fn unnest(ws: &mut rustws_core::Workspace, levels: u32) {
+    for _ in 0..levels {
+        let _ = ws.unnest();
     }
 }
