@@ -358,7 +358,11 @@ class WorkspaceConfigurationBuilder:
 class WorkspaceStats:
     """A snapshot of one workspace's memory, in bytes and counts.
 
-    ``capacity_bytes == used_bytes + cached_bytes + overhead_bytes`` always holds.
+    ``capacity_bytes == used_bytes + cached_bytes + overhead_bytes`` always holds: these four are
+    the arena's. Outside it, ``external_bytes`` counts the live blocks; the blocks kept there for
+    reuse after they died (at most a few cycles, bounded by the recent cycles' peak) are listed by
+    ``rustws.memory.snapshot()`` (segments of kind ``external`` and ``huge``) and counted, with all
+    else the workspace holds, in a refusal's ``footprint`` and ``cached``.
     """
 
     cycles: int
