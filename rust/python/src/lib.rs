@@ -191,8 +191,8 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     handler::init_default_allocator(py)?;
     // rust-numpy's cells (its C-API table, the NumPy version) are made now, on the importing
     // thread: made first on another thread, PyO3's cells can be left half made by a fork (see
-    // `once`), and this module's own cells are made so that they cannot.
-    arrays::direct_arrays_supported(py);
+    // `once`); this module's own cells are made so that they cannot. (Nothing here sets NumPy's
+    // context variable: set at import, it slowed every later lookup of it in this context.)
     numpy::npyffi::is_numpy_2(py);
     m.add_class::<WorkspaceCore>()?;
     // The one definition of the statistics' and the configuration's fields (the Python

@@ -12,31 +12,39 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
 /// `cell`'s value, made by `make` where there is none yet.
+#[inline]
 pub(crate) fn get_or_make<'a, T>(cell: &'a PyOnceLock<T>, py: Python<'_>, make: impl FnOnce() -> T) -> &'a T {
-    if let Some(v) = cell.get(py) {
-        return v;
+    match cell.get(py) {
+        Some(v) => v,
+        None => make_and_store(cell, py, || Ok::<T, std::convert::Infallible>(make())).unwrap_or_else(|e| match e {}),
     }
-    store(cell, py, make())
 }
 
 /// `cell`'s value, made by `make` where there is none yet; a failure stores nothing.
+#[inline]
 pub(crate) fn get_or_try_make<'a, T, E>(
     cell: &'a PyOnceLock<T>,
     py: Python<'_>,
     make: impl FnOnce() -> Result<T, E>,
 ) -> Result<&'a T, E> {
-    if let Some(v) = cell.get(py) {
-        return Ok(v);
+    match cell.get(py) {
+        Some(v) => Ok(v),
+        None => make_and_store(cell, py, make),
     }
-    Ok(store(cell, py, make()?))
 }
 
 #[cold]
-fn store<'a, T>(cell: &'a PyOnceLock<T>, py: Python<'_>, value: T) -> &'a T {
+#[inline(never)]
+fn make_and_store<'a, T, E>(
+    cell: &'a PyOnceLock<T>,
+    py: Python<'_>,
+    make: impl FnOnce() -> Result<T, E>,
+) -> Result<&'a T, E> {
+    let value = make()?;
     // Another thread's value, stored first, stays; ours is dropped here, with the GIL held.
     let _ = cell.set(py, value);
     match cell.get(py) {
-        Some(v) => v,
+        Some(v) => Ok(v),
         // `set` either stored the value or found one: the cell is never empty after it.
         None => unreachable!("a PyOnceLock is set after set"),
     }

@@ -238,6 +238,7 @@ fn new_node<'py>(
 /// NumPy's current-handler `ContextVar` (`current_allocator`), found once, so a scope reads and
 /// writes it directly: one variable write per push and per pop. None when it cannot be found
 /// (then NumPy's `PyDataMem_GetHandler` / `PyDataMem_SetHandler` serve).
+#[inline]
 fn numpy_var(py: Python<'_>) -> Option<&Bound<'_, PyAny>> {
     static VAR: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
     crate::once::get_or_make(&VAR, py, || {
