@@ -128,6 +128,27 @@ class ScopeMachine(RuleBasedStateMachine):
             # that ended under them (see `exit_innermost`) ended with it.
             assert ws.depth <= depth and ws.stats().cycles == cycles + 1
 
+    @precondition(lambda self: any(isinstance(e, Loop) and not e.ws.is_destroyed for e in self.stack[:-1]))
+    @rule(data=st.data())
+    def advance_a_loop_under_other_scopes(self, data):
+        """A loop advanced while scopes entered after it are still open (a generator holding them,
+        advanced beside the loop): levels of its workspace nested in the cycle that ends end with
+        it, and their exits only unwind; a loop exhausted there closes its scope where it lies,
+        the scopes above it as they were."""
+        under = [i for i, e in enumerate(self.stack[:-1]) if isinstance(e, Loop) and not e.ws.is_destroyed]
+        i = data.draw(st.sampled_from(under))
+        loop = self.stack[i]
+        ws = loop.ws
+        depth, cycles = ws.depth, ws.stats().cycles
+        if loop.left == 0:
+            with pytest.raises(StopIteration):
+                next(loop.it)
+            del self.stack[i]
+        else:
+            next(loop.it)
+            loop.left -= 1
+        assert ws.depth <= depth and ws.stats().cycles == cycles + 1
+
     @precondition(lambda self: self.stack)
     @rule()
     def exit_innermost(self):
@@ -159,10 +180,10 @@ class ScopeMachine(RuleBasedStateMachine):
                 entry.it.close_loop()
         else:
             ws = entry
-            # Its innermost scope goes: a loop's, when a loop over it is the innermost.
-            j = max(k for k, e in enumerate(self.stack) if self.of(e) is ws)
-            if isinstance(self.stack[j], Loop):
-                return
+            # Its innermost `with` goes; a loop's scope above it is the loop's to exit.
+            j = max(k for k, e in enumerate(self.stack) if e is ws)
+            if j == len(self.stack) - 1:
+                return  # the innermost of all: an exit in order
             depth = ws.depth
             with pytest.warns(ResourceWarning, match="unlinked"):
                 ws.__exit__(None, None, None)
