@@ -167,6 +167,19 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// Zero-fills `len` bytes at `ptr`, in a block of [`Backend::alloc_block`] that served
+    /// before and serves again (the external cache's reuse), as [`Backend::zero`] does. Backends
+    /// whose blocks are the C heap's drop the whole pages of a large one instead of writing them
+    /// (see [`zero_heap_block`]), so that `np.zeros` of a large array, sparsely used, stays as
+    /// small as NumPy's.
+    ///
+    /// # Safety
+    /// As for [`Backend::zero`], in a block of [`Backend::alloc_block`].
+    unsafe fn zero_reused(&self, ptr: NonNull<u8>, len: usize) -> Result<(), BackendError> {
+        // SAFETY: forwarded with the caller's guarantee.
+        unsafe { self.zero(ptr, len) }
+    }
+
     /// Copies `len` bytes from `src` to `dst` (both this backend's memory, not overlapping);
     /// `Err` describes a copy the device refused (`dst` is then unspecified, `src` unchanged).
     ///
@@ -435,6 +448,14 @@ impl Backend for AnonymousMemory {
     }
 
     /// # Safety
+    /// As for [`Backend::zero_reused`].
+    unsafe fn zero_reused(&self, ptr: NonNull<u8>, len: usize) -> Result<(), BackendError> {
+        // SAFETY: forwarded with the caller's guarantee: a block of `c_heap_block`.
+        unsafe { zero_heap_block(ptr, len) };
+        Ok(())
+    }
+
+    /// # Safety
     /// As for [`Backend::free_block`].
     unsafe fn free_block(&self, ptr: NonNull<u8>, _len: usize) {
         // SAFETY: blocks of this backend come from `c_heap_block`, which stores the distance to
@@ -448,6 +469,40 @@ impl Backend for AnonymousMemory {
 
 /// Bytes in front of a C-heap block that record where its allocation starts.
 const C_HEAP_TAG: usize = std::mem::size_of::<usize>();
+
+/// Bytes from which a block of the C heap that served before is zero-filled by dropping its
+/// whole pages (`MADV_DONTNEED`: private memory reads back as zeros, and takes no room until
+/// written) rather than by writing them: glibc's largest mapping threshold, above which its
+/// `calloc`, and so NumPy's `np.zeros`, always hands out pages that nothing wrote yet.
+pub const ZERO_BY_DISCARD: usize = 32 << 20;
+
+/// Zero-fills `len` bytes at `ptr`, in a block of [`c_heap_block`]: written below
+/// [`ZERO_BY_DISCARD`] bytes, its whole pages dropped above (the partial pages at its ends
+/// written).
+///
+/// # Safety
+/// `[ptr, ptr + len)` lies in one live block of [`c_heap_block`], owned by the caller.
+unsafe fn zero_heap_block(ptr: NonNull<u8>, len: usize) {
+    let start = ptr.as_ptr() as usize;
+    let page = page_size();
+    let (a, b) = (start.next_multiple_of(page), (start + len) / page * page);
+    // SAFETY: the advice covers whole pages inside the caller's block, whose bytes it gives up;
+    // the C heap's own bookkeeping lies outside them (in front of the block). A refusal leaves
+    // the pages as they were, and they are written instead.
+    let dropped = len >= ZERO_BY_DISCARD
+        && !cfg!(miri)
+        && a < b
+        && unsafe { libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_DONTNEED) } == 0;
+    // SAFETY: ranges inside the caller's block.
+    unsafe {
+        if dropped {
+            std::ptr::write_bytes(ptr.as_ptr(), 0, a - start);
+            std::ptr::write_bytes(b as *mut u8, 0, start + len - b);
+        } else {
+            std::ptr::write_bytes(ptr.as_ptr(), 0, len);
+        }
+    }
+}
 
 /// A [`BLOCK_ALIGN`]-aligned block of `len` bytes from `malloc` (or `calloc`), with the distance
 /// back to the allocation's start stored in the word in front of it. A block of a page-aligned
@@ -841,6 +896,34 @@ impl Backend for FileMappedMemory {
             Self::release_file(file, created);
         }
     }
+
+    /// Blocks outside the file-backed arena (spills, first cycles) come from the C heap, as
+    /// [`AnonymousMemory`]'s do.
+    fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
+        AnonymousMemory.alloc_block(len)
+    }
+
+    fn alloc_block_zeroed(&self, len: usize) -> Result<NonNull<u8>, BackendError> {
+        AnonymousMemory.alloc_block_zeroed(len)
+    }
+
+    /// # Safety
+    /// As for [`Backend::free_block`].
+    unsafe fn free_block(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: forwarded: our blocks are AnonymousMemory's.
+        unsafe { AnonymousMemory.free_block(ptr, len) }
+    }
+
+    /// # Safety
+    /// As for [`Backend::zero_reused`].
+    unsafe fn zero_reused(&self, ptr: NonNull<u8>, len: usize) -> Result<(), BackendError> {
+        // SAFETY: forwarded: our blocks are AnonymousMemory's.
+        unsafe { AnonymousMemory.zero_reused(ptr, len) }
+    }
+
+    fn trim(&self) {
+        AnonymousMemory.trim();
+    }
 }
 
 /// Regions from the global heap: a host stand-in with the shape of a device backend (no mmap, no
@@ -932,6 +1015,13 @@ macro_rules! forward_data_access {
         unsafe fn zero(&self, ptr: NonNull<u8>, len: usize) -> Result<(), BackendError> {
             // SAFETY: forwarded with the caller's guarantee.
             unsafe { self.upstream.zero(ptr, len) }
+        }
+
+        /// # Safety
+        /// As for [`Backend::zero_reused`].
+        unsafe fn zero_reused(&self, ptr: NonNull<u8>, len: usize) -> Result<(), BackendError> {
+            // SAFETY: forwarded with the caller's guarantee.
+            unsafe { self.upstream.zero_reused(ptr, len) }
         }
 
         /// # Safety

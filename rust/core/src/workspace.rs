@@ -893,7 +893,7 @@ impl Workspace {
         };
         self.accounts.count_external(req.size, slot);
         // SAFETY: `p` is valid for `size <= slot - HEADER` bytes of the backend's memory.
-        if req.zeroed && unsafe { self.limit.zero(p, req.size) }.is_err() {
+        if req.zeroed && unsafe { self.limit.zero_reused(p, req.size) }.is_err() {
             // A fill the device refused: the block goes back, and a new block is asked for.
             // SAFETY: `p` was made live just above and never reached the caller.
             unsafe { self.free(p) };
