@@ -83,8 +83,17 @@ class _Producer:
         self.source = source
         self.buffer_size = buffer_size
         self.config = config
-        self.stop = threading.Event()
-        self.queue: queue.Queue[Any] = queue.Queue(maxsize=buffer_size)
+        # Set once, read by the producer between items: a plain flag, so that stopping takes no
+        # lock an exception from a signal handler could leave held (`threading.Event` takes one).
+        self.stopped = False
+        # The items, and one credit per free place among them: the producer takes a credit before
+        # it puts an item, the consumer gives one back for each item it takes. Both are the C
+        # `SimpleQueue`, which an exception from a signal handler (Ctrl-C in the consumer) cannot
+        # leave half locked, as it can `queue.Queue`'s Python lock and conditions.
+        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.credits: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(buffer_size):
+            self.credits.put(None)
         self.workspace: Workspace | None = None
 
     def _workspace_for(self, first: Any) -> Workspace:
@@ -100,18 +109,25 @@ class _Producer:
         return workspace(f"PREFETCH-{id(self):x}", cfg, capture=False)
 
     def put(self, item: Any) -> bool:
-        while not self.stop.is_set():
+        while not self.stopped:
             try:
-                self.queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
+                self.credits.get(timeout=0.05)
+            except queue.Empty:
                 continue
+            self.items.put(item)
+            return True
         return False
+
+    def take(self, timeout: float) -> Any:
+        """The next item (``queue.Empty`` after ``timeout`` seconds without one)."""
+        item = self.items.get(timeout=timeout)
+        self.credits.put(None)
+        return item
 
     def run(self) -> None:
         try:
             for item in self.source:
-                if self.stop.is_set():
+                if self.stopped:
                     break
                 ws = self.workspace
                 if ws is None:
@@ -126,7 +142,7 @@ class _Producer:
         except BaseException as error:  # re-raised in the consumer
             self.put(_Failure(error))
         finally:
-            if self.stop.is_set():
+            if self.stopped:
                 self.drain()
                 # Abandoned: nobody will consume what is left. Items already handed out stay valid.
                 if self.workspace is not None:
@@ -135,7 +151,7 @@ class _Producer:
     def drain(self) -> None:
         with contextlib.suppress(queue.Empty):
             while True:
-                self.queue.get_nowait()
+                self.items.get_nowait()
 
 
 class AsyncPrefetch:
@@ -182,10 +198,10 @@ class AsyncPrefetch:
             raise StopIteration
         while True:
             try:
-                item = self._producer.queue.get(timeout=0.1)
+                item = self._producer.take(timeout=0.1)
                 break
             except queue.Empty:
-                if self._thread is not None and not self._thread.is_alive() and self._producer.queue.empty():
+                if self._thread is not None and not self._thread.is_alive() and self._producer.items.empty():
                     self._closed = True
                     raise StopIteration from None
         if item is _END:
@@ -200,7 +216,7 @@ class AsyncPrefetch:
         """Stops the background thread and drops what it prefetched. Idempotent."""
         self._closed = True
         producer = self._producer
-        producer.stop.set()
+        producer.stopped = True
         producer.drain()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
@@ -222,7 +238,7 @@ class AsyncPrefetch:
         # Dropped without close(): the thread sees the flag within one queue timeout and ends.
         producer = getattr(self, "_producer", None)
         if producer is not None:
-            producer.stop.set()
+            producer.stopped = True
 
 
 # -- garbage collection ---------------------------------------------------------------------------

@@ -4,7 +4,10 @@ safety rule for kept batches) and the GC controls."""
 from __future__ import annotations
 
 import gc
+import signal
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -121,6 +124,46 @@ def test_at_most_buffer_size_items_ahead():
     # one consumed, three queued, one waiting to be queued
     assert len(produced) <= 1 + 3 + 1
     it.close()
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no signal.setitimer on this platform")
+@pytest.mark.timeout(120)
+def test_ctrl_c_at_any_point_of_the_loop_leaves_close_working():
+    """An exception from a signal handler (Ctrl-C) may land anywhere in the consumer, between or
+    inside the queue's calls and close(): the loop is left, close() returns and the thread ends.
+    (Python's `queue.Queue` and `threading.Event` take locks such an exception can leave held.)"""
+    code = textwrap.dedent(
+        """
+        import faulthandler, random, signal, sys
+        import numpy as np
+        import rustws
+        faulthandler.dump_traceback_later(60, exit=True)  # a hang fails with every stack
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, interrupt)
+        rng = random.Random(int(sys.argv[1]))
+        interrupted = 0
+        for i in range(400):
+            source = [np.full(5000, float(k)) for k in range(8)]
+            try:
+                with rustws.AsyncPrefetch(source, buffer_size=2) as pf:
+                    signal.setitimer(signal.ITIMER_REAL, rng.random() * 0.0005)
+                    for k, batch in enumerate(pf):
+                        assert (batch == k).all()
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            assert not pf.is_alive
+        print("interrupted", interrupted)
+        """
+    )
+    for seed in (1, 2):
+        argv = [sys.executable, "-c", code, str(seed)]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=100)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert int(r.stdout.split()[-1]) > 50, r.stdout  # the interrupts did land
 
 
 def test_async_shield_prevents_prefetch():
