@@ -172,10 +172,25 @@ def _worker_rows(dask_worker: distributed.Worker) -> list[dict[str, Any]]:
         pass
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     worker = str(dask_worker.name)
+    # The process's workspaces, of this worker's threads: workers sharing a process (a cluster of
+    # threads) each list their own.
+    threads = _worker_threads(dask_worker)
     return [
         {"worker": worker, **row, "rss_bytes": rss, "peak_rss_bytes": hwm, "minor_faults": faults}
         for row in thread_statistics()
+        if threads is None or row["thread"] in threads
     ]
+
+
+def _worker_threads(dask_worker: distributed.Worker) -> set[str] | None:
+    """The names of the threads of the worker's executors (None where one does not list them)."""
+    names: set[str] = set()
+    for executor in list(dask_worker.executors.values()):
+        threads = getattr(executor, "_threads", None)
+        if threads is None:
+            return None
+        names.update(t.name for t in list(threads))
+    return names
 
 
 def workspace_stats(client: distributed.Client, name: str | None = None) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ def client():
             n_workers=2,
             threads_per_worker=2,
             processes=True,
-            dashboard_address=None,
+            dashboard_address=":0",  # any free port: None still means 8787
             worker_dashboard_address=None,
         ) as cluster,
         distributed.Client(cluster) as c,
@@ -71,6 +71,27 @@ def test_every_task_is_a_cycle_of_its_threads_workspace(client):
         client.unregister_worker_plugin("rustws-TASK")
     # Unregistered: the workers' own pools again, no cycles.
     assert all(name is None for _, name, _, _ in client.gather(client.map(task, range(8), pure=False)))
+
+
+def test_workers_sharing_a_process_each_list_their_own_threads():
+    with (
+        distributed.LocalCluster(
+            n_workers=2,
+            threads_per_worker=2,
+            processes=False,
+            dashboard_address=":0",  # any free port: None still means 8787
+            worker_dashboard_address=None,
+        ) as cluster,
+        distributed.Client(cluster) as c,
+    ):
+        c.register_plugin(rustws.dask.WorkspacePlugin("SHARED"))
+        results = c.gather(c.map(task, range(40), pure=False))
+        assert all(name == "SHARED" and captured for _, name, captured, _ in results)
+        rows = rustws.dask.workspace_stats(c, "SHARED")
+        threads = [r["thread"] for r in rows]
+        assert len(threads) == len(set(threads)), f"a thread listed twice: {rows}"
+        assert set(threads) == {r[0] for r in results}
+        assert sum(r["cycles"] for r in rows) == 40  # one cycle per task, each counted once
 
 
 def test_only_annotated_tasks_run_in_cycles(client):
