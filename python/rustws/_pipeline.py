@@ -17,6 +17,7 @@ import itertools
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -256,10 +257,14 @@ class _PeriodicCollector:
         self.window_ms = 100  # set_auto_gc_window: the window of the switch
         self.collections = 0
         self._enabled = False  # toggle_periodic_gc
-        self._blocks: dict[int, int] = {}  # open gc_window blocks: token -> window (ms)
+        # Open gc_window blocks: token -> (window in ms, the block's context manager, weakly).
+        self._blocks: dict[int, tuple[int, weakref.ref[Any]]] = {}
         self._tokens = itertools.count(1)
         self._thread: threading.Thread | None = None
-        self._wake = threading.Event()  # set to stop the thread, or to make it read the window again
+        # Put to stop the thread, or to make it read the window again. The C `SimpleQueue`: an
+        # exception from a signal handler (Ctrl-C) cannot leave it locked, as it can leave the
+        # Python lock of a `threading.Event`, which both threads would then wait for forever.
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._was_enabled = True  # automatic GC when periodic collection started
         self._lock = threading.Lock()
 
@@ -269,23 +274,37 @@ class _PeriodicCollector:
 
     def _window_s(self) -> float:
         """The window in force: the most recently opened block's, else the switch's."""
-        ms = next(reversed(self._blocks.values())) if self._blocks else self.window_ms
+        ms = next(reversed(self._blocks.values()))[0] if self._blocks else self.window_ms
         return ms / 1000
 
-    def _run(self, wake: threading.Event) -> None:
+    def _run(self, wake: queue.SimpleQueue[None]) -> None:
         me = threading.current_thread()
         while True:
-            woken = wake.wait(self._window_s())  # the window in force, read afresh every time
+            try:
+                wake.get(timeout=self._window_s())  # the window in force, read afresh every time
+                woken = True
+            except queue.Empty:
+                woken = False
             if self._thread is not me:
                 return  # stopped
             if woken:
-                wake.clear()  # the window changed: wait for the new one
-                continue
+                continue  # the window changed: wait for the new one
             try:
                 gc.collect()
             except Exception:  # a collection must never end periodic collection
                 logger.exception("rustws: a periodic garbage collection raised")
             self.collections += 1
+            self._tidy()
+
+    def _tidy(self) -> None:
+        """Drops the blocks whose context manager is gone without closing them, and stops when
+        nothing wants periodic collection any more: an exception from a signal handler (Ctrl-C)
+        can land between a block's opening and its `with` body, or between a change and the
+        reconciling of it, and must not leave Python's automatic GC off for good."""
+        with self._lock:
+            for token in [t for t, (_, owner) in self._blocks.items() if owner() is None]:
+                del self._blocks[token]
+            self._reconcile()  # the thread stopped is this one: its loop ends
 
     def _reconcile(self) -> threading.Thread | None:
         """Starts or stops the thread to match the state, or makes it wait for the window in
@@ -293,26 +312,32 @@ class _PeriodicCollector:
         stopped thread for the caller to join once the lock is released (the thread may be
         running a finaliser that needs the lock)."""
         want = self._enabled or bool(self._blocks)
+        # In an order that an exception from a signal handler, landing between any two steps,
+        # leaves mended at the next reconcile (the thread's own, within a window): automatic GC is
+        # off only while a thread runs, and a thread runs only while it is the one recorded.
         if want and self._thread is None:
+            self._wake = wake = queue.SimpleQueue()
+            thread = threading.Thread(target=self._run, args=(wake,), name="rustws-gc", daemon=True)
+            thread.start()
+            self._thread = thread
             self._was_enabled = gc.isenabled()
             gc.disable()
-            self._wake = wake = threading.Event()
-            self._thread = threading.Thread(target=self._run, args=(wake,), name="rustws-gc", daemon=True)
-            self._thread.start()
         elif not want and self._thread is not None:
-            thread, self._thread = self._thread, None
-            self._wake.set()
             if self._was_enabled:
                 gc.enable()
+            thread, self._thread = self._thread, None
+            self._wake.put(None)
             return thread
         elif want:
-            self._wake.set()
+            self._wake.put(None)
         return None
 
     def _change(self, update: Callable[[], None]) -> None:
         with self._lock:
-            update()
-            stopped = self._reconcile()
+            try:
+                update()
+            finally:
+                stopped = self._reconcile()
         if stopped is not None and stopped is not threading.current_thread():
             stopped.join(timeout=10)
 
@@ -328,11 +353,11 @@ class _PeriodicCollector:
 
         self._change(update)
 
-    def open_block(self, ms: int) -> int:
+    def open_block(self, ms: int, owner: Any) -> int:
         token = next(self._tokens)
 
         def update() -> None:
-            self._blocks[token] = ms
+            self._blocks[token] = (ms, weakref.ref(owner))
 
         self._change(update)
         return token
@@ -377,17 +402,34 @@ def toggle_periodic_gc(enabled: bool) -> None:
     _collector.set_enabled(enabled)
 
 
-@contextlib.contextmanager
-def gc_window(ms: int) -> Iterator[None]:
+class _GcWindow(contextlib.ContextDecorator):
+    """One ``gc_window`` block (see there); a decorator too, each call a block of its own."""
+
+    __slots__ = ("ms", "token")
+
+    def __init__(self, ms: int) -> None:
+        self.ms = ms
+        self.token: int | None = None
+
+    def _recreate_cm(self) -> _GcWindow:
+        return _GcWindow(self.ms)
+
+    def __enter__(self) -> None:
+        self.token = _collector.open_block(self.ms, self)
+
+    def __exit__(self, *exc: object) -> None:
+        token, self.token = self.token, None
+        if token is not None:
+            _collector.close_block(token)
+
+
+def gc_window(ms: int) -> _GcWindow:
     """Inside: periodic GC every ``ms`` milliseconds instead of Python's automatic GC. Blocks may
     be open on several threads at once and exit in any order: the most recently opened one's
     window is in force, and when the last exits, what was there before (automatic GC, or the
-    periodic collection of ``toggle_periodic_gc``) is back."""
+    periodic collection of ``toggle_periodic_gc``) is back. A block whose context manager is
+    dropped unclosed (an exception between its opening and its body) ends within a window."""
     ms = _check_ms(ms)
     if ms == 0:
         raise ValueError("invalid window: gc_window needs ms > 0")
-    token = _collector.open_block(ms)
-    try:
-        yield
-    finally:
-        _collector.close_block(token)
+    return _GcWindow(ms)

@@ -166,6 +166,54 @@ def test_ctrl_c_at_any_point_of_the_loop_leaves_close_working():
         assert int(r.stdout.split()[-1]) > 50, r.stdout  # the interrupts did land
 
 
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no signal.setitimer on this platform")
+@pytest.mark.timeout(120)
+def test_ctrl_c_around_gc_windows_never_hangs_and_leaves_automatic_gc_on():
+    """Ctrl-C landing anywhere in entering or leaving `gc_window` blocks: nothing waits forever,
+    and within a window of the last block Python's automatic GC is back and the thread gone."""
+    code = textwrap.dedent(
+        """
+        import faulthandler, gc, random, signal, sys, threading, time
+        import rustws
+        faulthandler.dump_traceback_later(60, exit=True)  # a hang fails with every stack
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, interrupt)
+        rng = random.Random(int(sys.argv[1]))
+        interrupted = 0
+        for i in range(1500):
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.random() * 0.0003)
+                with rustws.gc_window(rng.choice([1, 5, 50])):
+                    garbage = [[] for _ in range(10)]
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        time.sleep(0.3)  # a few of the longest window
+        assert gc.isenabled(), "automatic GC left off"
+        assert not any(t.name == "rustws-gc" for t in threading.enumerate())
+        print("interrupted", interrupted)
+        """
+    )
+    for seed in (1, 2):
+        argv = [sys.executable, "-c", code, str(seed)]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=100)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert int(r.stdout.split()[-1]) > 30, r.stdout  # the interrupts did land
+
+
+def test_gc_window_is_a_decorator_too():
+    @rustws.gc_window(5)
+    def inside() -> bool:
+        return gc.isenabled()
+
+    assert gc.isenabled()
+    assert [inside() for _ in range(3)] == [False] * 3
+    assert gc.isenabled()
+
+
 def test_async_shield_prevents_prefetch():
     threads_before = threading.active_count()
     src = [np.ones(2), np.zeros(2)]
