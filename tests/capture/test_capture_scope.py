@@ -7,8 +7,10 @@ form ``ws.cycles()`` makes each iteration one cycle."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import gc
+import logging
 import threading
 import time
 import warnings
@@ -123,14 +125,32 @@ def test_nested_with_in_one_task_nests_and_other_tasks_do_not():
     assert ws.stats().cycles == 2 and ws.depth == 0
 
 
-def test_a_generator_finalised_on_another_thread_closes_its_scope():
+def _enter_directly(ws):
+    with ws:
+        yield np.ones(BIG)
+
+
+def _enter_through_an_exit_stack(ws):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ws)  # the scope is entered, and exited, by the stack's own frames
+        yield np.ones(BIG)
+
+
+@pytest.mark.parametrize(
+    ("produce", "observed"),
+    [(_enter_directly, False), (_enter_through_an_exit_stack, False), (_enter_directly, True)],
+)
+def test_a_generator_finalised_on_another_thread_closes_its_scope(produce, observed, request):
+    """Also where a wrapper's frames enter and exit the scope for the generator: an `ExitStack`'s,
+    or the cycle observer's, which a workspace gets while the rustws logger is at INFO."""
+    if observed:
+        log = logging.getLogger("rustws")
+        request.addfinalizer(lambda level=log.level: log.setLevel(level))
+        log.setLevel(logging.INFO)
     ws = rustws.workspace("GEN", cfg())
+    assert isinstance(ws, rustws._workspace._CycleObserver) == observed
 
-    def produce():
-        with ws:
-            yield np.ones(BIG)
-
-    g = produce()
+    g = produce(ws)
     next(g)
     assert allocate() == (ws, ws)
     errors = []

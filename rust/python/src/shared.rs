@@ -254,10 +254,11 @@ pub(crate) struct ScopeState {
     /// The `contextvars.Context` it was (re)opened in (its address; 0: not known): capture stays
     /// in it, not in copies of it (see `threadstate`).
     context: AtomicUsize,
-    /// The Python frame that entered it (its address; 0: none): the one place, besides its own
-    /// thread, where an exit of it is its owner's (a generator or coroutine finalised on another
-    /// thread runs its exit in that frame).
-    frame: AtomicUsize,
+    /// The Python frame that entered it and the frame that called that one (their addresses; 0:
+    /// none): the one place, besides its own thread, where an exit of it is its owner's (a
+    /// generator or coroutine finalised on another thread runs its exit in that frame, or in a
+    /// wrapper's frame called from it where a wrapper entered it: `ExitStack.enter_context`).
+    frames: [AtomicUsize; 2],
     /// A level nested in a cycle that ended under it (the cycle's scope unlinked while this one,
     /// above it, was still open): the level ended with the cycle, and its exit only unwinds.
     orphaned: AtomicBool,
@@ -274,7 +275,7 @@ impl ScopeState {
             cycle: AtomicBool::new(cycle),
             task,
             context: AtomicUsize::new(0),
-            frame: AtomicUsize::new(caller_frame()),
+            frames: caller_frames::<2>().map(AtomicUsize::new),
             orphaned: AtomicBool::new(false),
             held,
         })
@@ -312,10 +313,18 @@ impl ScopeState {
         self.context.store(crate::threadstate::current_context(), Ordering::Relaxed);
     }
 
-    /// Whether the frame running now is the one that entered it.
-    pub fn entered_here(&self) -> bool {
-        let frame = self.frame.load(Ordering::Relaxed);
-        frame != 0 && frame == caller_frame()
+    /// Whether `now` (the innermost frames at an exit, [`caller_frames`]) says the frame that
+    /// entered it runs this exit: the same frame (`near` false), or the frame that called the one
+    /// that entered it among those (`near` true: wrappers entered and exit it, called from its
+    /// owner: `ExitStack` exits through two frames of its own).
+    pub fn entered_in(&self, now: &[usize], near: bool) -> bool {
+        if near {
+            let caller = self.frames[1].load(Ordering::Relaxed);
+            caller != 0 && now[1..].contains(&caller)
+        } else {
+            let frame = self.frames[0].load(Ordering::Relaxed);
+            frame != 0 && frame == now[0]
+        }
     }
 
     /// Closes it; returns whether it was open. Only code holding the GIL opens and closes scopes
@@ -332,7 +341,9 @@ impl ScopeState {
     /// frame running now.
     pub fn reopen(&self, cycle: bool) {
         self.cycle.store(cycle, Ordering::Relaxed);
-        self.frame.store(caller_frame(), Ordering::Relaxed);
+        for (at, f) in self.frames.iter().zip(caller_frames::<2>()) {
+            at.store(f, Ordering::Relaxed);
+        }
         self.open.store(true, Ordering::Relaxed);
         self.mark_context();
     }
@@ -460,18 +471,43 @@ pub(crate) fn take_frozen(name: &str, requested: u64) -> Option<Vec<MemoryState>
     }
 }
 
-/// The Python frame running on this thread (its address), or 0.
-pub(crate) fn caller_frame() -> usize {
+/// The `N` innermost Python frames of this thread (their addresses, innermost first), 0 for each
+/// that is not there.
+pub(crate) fn caller_frames<const N: usize>() -> [usize; N] {
+    let mut out = [0; N];
     // SAFETY: the GIL is held by every caller (scopes are entered and left from Python); the
-    // result is a borrowed frame, only compared by address. Making the frame object can fail for
-    // want of memory: then no frame is recorded and the error is cleared.
+    // frames are only compared by address: the current one is borrowed, the callers' new
+    // references dropped at once (the running frame keeps its callers alive). Making the frame
+    // objects can fail for want of memory: then the frames from there on are not recorded and
+    // the error is cleared.
     unsafe {
-        let f = ffi::PyEval_GetFrame();
-        if f.is_null() && !ffi::PyErr_Occurred().is_null() {
+        let mut f = ffi::PyEval_GetFrame();
+        for (i, at) in out.iter_mut().enumerate() {
+            if f.is_null() {
+                break;
+            }
+            *at = f as usize;
+            if i + 1 < N {
+                let back = PyFrame_GetBack(f);
+                if i > 0 {
+                    ffi::Py_DECREF(f.cast());
+                }
+                f = back;
+            } else if i > 0 {
+                ffi::Py_DECREF(f.cast());
+            }
+        }
+        if !ffi::PyErr_Occurred().is_null() {
             ffi::PyErr_Clear();
         }
-        f as usize
     }
+    out
+}
+
+extern "C" {
+    // Public C API since CPython 3.9, exported by every CPython build, but outside the limited
+    // API's headers.
+    fn PyFrame_GetBack(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyFrameObject;
 }
 
 /// The Python identity of the calling thread.

@@ -283,7 +283,10 @@ impl CoreState {
                     Some(copy)
                 });
                 let open = open.ok_or_else(|| errors::no_memory(py))?;
-                let (owned, any_open) = (open.iter().rev().find(|s| s.entered_here()).cloned(), !open.is_empty());
+                // The scope its very frame entered, else one a wrapper called from it entered.
+                let now = crate::shared::caller_frames::<4>();
+                let entered = |near| open.iter().rev().find(|s| s.entered_in(&now, near)).cloned();
+                let (owned, any_open) = (entered(false).or_else(|| entered(true)), !open.is_empty());
                 let what = scope::describe(me);
                 match owned {
                     Some(state) => {
