@@ -99,6 +99,26 @@ def test_the_arena_shrinks_back_after_an_outlier_cycle():
     assert ws.stats().capacity_bytes == usual
 
 
+def test_results_kept_every_cycle_among_changing_sizes_leave_the_arena_bounded():
+    """A loop whose temporaries change size every cycle and that keeps a small result from each
+    (`results.append(...)`): the regions those results hold on to are not shrunk (a smaller one
+    would be added beside them, not replace them), and one grown beside them at least doubles.
+    The arenas stayed within a few times the largest cycle; they used to add up to gigabytes."""
+    ws = rustws.workspace("KEPT")
+    rng = np.random.default_rng(9)
+    kept = []
+    largest = 0
+    for rows in rng.choice([1, 4, 16, 64, 256, 37, 129], 800):
+        with ws:
+            x = np.ones((int(rows), 1024), np.float32)
+            h = np.tanh(x * 0.5 + 1.0)
+            kept.append(np.ones(256))
+        largest = max(largest, 4 * x.nbytes)
+    assert all((k == 1).all() for k in kept) and h.shape == x.shape
+    capacity = ws.stats().capacity_bytes
+    assert capacity <= 8 * largest, f"arenas of {capacity >> 20} MiB for cycles of {largest >> 20} MiB"
+
+
 def test_a_long_first_cycle_recycles_its_temporaries_by_class():
     import resource
 

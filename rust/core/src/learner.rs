@@ -37,6 +37,11 @@ pub(crate) struct CycleFacts {
     pub spilled: usize,
     /// Whether blocks of earlier cycles were in the arena when the cycle opened.
     pub kept_in_arena: bool,
+    /// Whether blocks kept from earlier cycles still live at its end, with blocks in the arena's
+    /// current region: a region replacing it would be added beside it until they die, which for
+    /// results kept from cycle to cycle is never (state that each cycle replaces dies in the
+    /// next one, and does not count).
+    pub pinned_in_arena: bool,
 }
 
 /// What to do with the arena after a cycle.
@@ -87,6 +92,18 @@ pub(crate) fn capacity_for(c: &WorkspaceConfiguration, need: usize) -> usize {
     cap
 }
 
+/// A region to replace one of `current` bytes that stays mapped beside it: `target`, or twice
+/// `current` where that is more, within `max_size`.
+fn grown_beside(c: &WorkspaceConfiguration, target: usize, current: usize) -> usize {
+    let doubled = round_to_page(current.saturating_mul(2));
+    let cap = target.max(doubled);
+    if c.max_size > 0 {
+        cap.min(c.max_size as usize / crate::BLOCK_ALIGN * crate::BLOCK_ALIGN).max(target)
+    } else {
+        cap
+    }
+}
+
 impl CycleLearner {
     pub fn new(config: &WorkspaceConfiguration) -> Self {
         CycleLearner { initialized: config.policy_learning == LearningPolicy::None, ..Default::default() }
@@ -122,8 +139,17 @@ impl CycleLearner {
             let target =
                 if (self.last.0, self.last.1) == (window, current) { self.last.2 } else { capacity_for(c, window) };
             self.last = (window, current, target);
-            // Shrink only well below the current size, so cycles that vary a little never remap.
-            let shrink = current > target.saturating_add(target / 10).max(round_to_page(1));
+            // Shrink only well below the current size, so cycles that vary a little never remap; and
+            // only a region that nothing live holds on to, which the smaller one then replaces
+            // (results kept every cycle would otherwise leave one region behind per shrink).
+            let shrink = !facts.pinned_in_arena && current > target.saturating_add(target / 10).max(round_to_page(1));
+            if target > current && facts.pinned_in_arena {
+                // The region it replaces stays beside it while what lives there lives (results
+                // kept from earlier cycles): grown at least twofold, as a vector grows, so that a
+                // need growing by steps retires regions adding up to the last one at most, not to
+                // its square.
+                return Sizing::Map { capacity: grown_beside(c, target, current), prefault: window };
+            }
             if target > current || shrink {
                 return Sizing::Map { capacity: target, prefault: window };
             }
@@ -178,7 +204,7 @@ mod tests {
     use super::*;
 
     fn facts(need: usize, escaped: usize, spilled: usize, kept_in_arena: bool) -> CycleFacts {
-        CycleFacts { need, escaped, spilled, kept_in_arena }
+        CycleFacts { need, escaped, spilled, kept_in_arena, pinned_in_arena: false }
     }
 
     /// One expected step: the facts of a cycle, the arena it ended with, and the sizing wanted
@@ -295,6 +321,39 @@ mod tests {
         assert_eq!(step(&mut l, NEED_WINDOW as u64 + 2, M - M / 20, &mut current), Sizing::Keep);
         assert_eq!(l.need, M, "the window still holds the larger need");
         assert!(matches!(step(&mut l, NEED_WINDOW as u64 + 3, M + M / 4, &mut current), Sizing::Map { .. }));
+    }
+
+    /// A region that blocks kept from its cycles still live in is not shrunk: the smaller one
+    /// would be added beside it, not replace it. It grows all the same (spills must stop).
+    #[test]
+    fn the_adaptive_profile_shrinks_no_region_live_blocks_hold() {
+        let c = cfg(LearningPolicy::Adaptive, SpillPolicy::External);
+        let mut l = CycleLearner::new(&c);
+        const M: usize = 1 << 20;
+        let pinned = |need| CycleFacts { pinned_in_arena: true, ..facts(need, 0, 0, true) };
+        let grown = capacity_for(&c, 16 * M);
+        assert_eq!(l.end_cycle(&c, 0, pinned(16 * M), 0, true), Sizing::Map { capacity: grown, prefault: 16 * M });
+        for g in 1..3 * NEED_WINDOW as u64 {
+            assert_eq!(l.end_cycle(&c, g, pinned(M), grown, true), Sizing::Keep, "cycle {g}");
+        }
+        // Once nothing live holds it, it shrinks.
+        let free = facts(M, 0, 0, true);
+        assert_eq!(
+            l.end_cycle(&c, 3 * NEED_WINDOW as u64, free, grown, true),
+            Sizing::Map { capacity: capacity_for(&c, M), prefault: M }
+        );
+        // It grows while held: at least twofold, the region it replaces staying beside it.
+        let held = capacity_for(&c, M);
+        assert_eq!(
+            l.end_cycle(&c, 3 * NEED_WINDOW as u64 + 1, pinned(held), held, true),
+            Sizing::Map { capacity: round_to_page(2 * held), prefault: held }
+        );
+        let big = capacity_for(&c, 32 * M);
+        assert_eq!(
+            l.end_cycle(&c, 3 * NEED_WINDOW as u64 + 2, pinned(32 * M), 2 * held, true),
+            Sizing::Map { capacity: big, prefault: 32 * M },
+            "more than twofold where the need is"
+        );
     }
 
     #[test]

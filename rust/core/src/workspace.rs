@@ -683,6 +683,10 @@ impl Workspace {
             escaped: self.accounts.live_slot - self.accounts.pinned_slot,
             spilled: self.cycles.spilled,
             kept_in_arena: self.cycles.kept_in_arena,
+            // Blocks pinned at an earlier cycle's end that still live (results kept from cycle
+            // to cycle, not state that the next cycle replaces), while the region holds blocks.
+            pinned_in_arena: self.accounts.pinned_blocks > 0
+                && self.regions.current().is_some_and(|r| r.live_blocks() > 0),
         };
         let current = self.regions.current_capacity();
         let region_before = self.regions.current().map(ArenaRegion::id);
