@@ -140,8 +140,8 @@ impl CycleLearner {
                 if (self.last.0, self.last.1) == (window, current) { self.last.2 } else { capacity_for(c, window) };
             self.last = (window, current, target);
             // Shrink only well below the current size, so cycles that vary a little never remap; and
-            // only a region that nothing live holds on to, which the smaller one then replaces
-            // (results kept every cycle would otherwise leave one region behind per shrink).
+            // only a region no result kept from earlier cycles holds on to, which the smaller one
+            // then replaces (results kept every cycle would leave one region behind per shrink).
             let shrink = !facts.pinned_in_arena && current > target.saturating_add(target / 10).max(round_to_page(1));
             if target > current && facts.pinned_in_arena {
                 // The region it replaces stays beside it while what lives there lives (results
