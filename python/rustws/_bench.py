@@ -489,6 +489,9 @@ def run_bench(
     out: str = "bench-results",
     quiet: bool = False,
 ) -> int:
+    if repeats is not None and repeats < 1:
+        print(f"bench: --repeats (runs per variant) must be at least 1, got {repeats}", file=sys.stderr)
+        return 2
     wanted = [w.strip().upper() for w in workloads.split(",") if w.strip()]
     unknown = sorted(set(wanted) - set(FAMILIES))
     if unknown:
@@ -502,9 +505,6 @@ def run_bench(
         print("bench: nothing to run", file=sys.stderr)
         return 2
     reps = repeats if repeats is not None else (3 if quick else 5)
-    if reps < 1:
-        print(f"bench: --repeats (runs per variant) must be at least 1, got {reps}", file=sys.stderr)
-        return 2
     peers = {k: p for k, lib in PEERS.items() if (p := _find_lib(lib))}
     variants = ["numpy", "rustws", "limit", *peers]
     missing = sorted(set(PEERS) - set(peers))
