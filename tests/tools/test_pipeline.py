@@ -180,6 +180,11 @@ def run_interrupted(
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no signal.setitimer on this platform")
+@pytest.mark.skipif(
+    sys.version_info >= (3, 13),
+    reason="on CPython 3.13 a KeyboardInterrupt from a signal handler landing in NumPy's `.all()` "
+    "can escape the `except` around it (also with a plain iterator in place of AsyncPrefetch)",
+)
 @pytest.mark.timeout(120)
 def test_ctrl_c_at_any_point_of_the_loop_leaves_close_working():
     """An exception from a signal handler (Ctrl-C) may land anywhere in the consumer, between or
