@@ -176,7 +176,7 @@ def run_interrupted(
         argv = [sys.executable, "-c", code, str(seed)]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=100)
         assert r.returncode == 0, r.stdout + r.stderr
-        assert int(r.stdout.split()[-1]) > rounds // 20, r.stdout  # the interrupts did land
+        assert int(r.stdout.split()[-1]) > rounds // 100, r.stdout  # the interrupts did land
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no signal.setitimer on this platform")
