@@ -84,7 +84,7 @@ rm -rf "$probe"
 step "ThreadSanitizer: every test of the core (nightly, -Zbuild-std)"
 tsan() {
     TSAN_OPTIONS="halt_on_error=1:allocator_may_return_null=1${TSAN_OPTIONS:+:$TSAN_OPTIONS}" \
-        RUSTFLAGS="-Zsanitizer=thread" cargo +nightly test -Zbuild-std -p rustws-core --lib --tests \
+        RUSTFLAGS="-Zsanitizer=thread --cfg rustws_tsan" cargo +nightly test -Zbuild-std -p rustws-core --lib --tests \
         --target "$host" --target-dir target/tsan --quiet "$@"
 }
 if [ "$host" != "x86_64-unknown-linux-gnu" ]; then

@@ -546,9 +546,12 @@ fn large_zeroed_blocks_outside_the_arena_are_not_written() {
             ..Default::default()
         };
         let mut w = Workspace::with_backend(name, config, backend).unwrap();
+        // ThreadSanitizer's allocator writes the blocks it hands out: there, what is resident
+        // says nothing of what rustws wrote, and only the contents are checked.
+        let counted = !cfg!(rustws_tsan);
         w.enter().unwrap();
         let fresh = w.alloc_zeroed(len).unwrap();
-        assert!(resident_pages(fresh, len) < 16, "{name}: a fresh zeroed block was written");
+        assert!(!counted || resident_pages(fresh, len) < 16, "{name}: a fresh zeroed block was written");
         fill(fresh.as_ptr(), len, 0xAB);
         // SAFETY: live, freed once.
         unsafe { w.free(fresh) };
@@ -556,7 +559,7 @@ fn large_zeroed_blocks_outside_the_arena_are_not_written() {
         w.enter().unwrap();
         let again = w.alloc_zeroed(len).unwrap();
         assert_eq!(again, fresh, "{name}: the cached block serves again");
-        assert!(resident_pages(again, len) < 16, "{name}: a reused zeroed block was written");
+        assert!(!counted || resident_pages(again, len) < 16, "{name}: a reused zeroed block was written");
         // SAFETY: `len` bytes of a live block of ours.
         let bytes = unsafe { std::slice::from_raw_parts(again.as_ptr(), len) };
         assert!(bytes.iter().all(|b| *b == 0), "{name}: not zero");
