@@ -405,8 +405,6 @@ def toggle_periodic_gc(enabled: bool) -> None:
 class _GcWindow(contextlib.ContextDecorator):
     """One ``gc_window`` block (see there); a decorator too, each call a block of its own."""
 
-    __slots__ = ("ms", "token")
-
     def __init__(self, ms: int) -> None:
         self.ms = ms
         self.token: int | None = None

@@ -6,7 +6,7 @@
 //! every later use in the child waits for forever. Here a value is made with no cell held (the
 //! making may run Python and let other threads run), then stored under the GIL, which a fork
 //! cannot interleave with: two threads racing both make one, and the first stored wins. What
-//! PyO3's and rust-numpy's own cells hold is made at import (see `warm` in the module's init).
+//! PyO3's and rust-numpy's own cells hold is made at import, in the module's init.
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
