@@ -15,6 +15,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import os
 import queue
 import threading
 import weakref
@@ -245,13 +246,20 @@ class AsyncPrefetch:
 # -- garbage collection ---------------------------------------------------------------------------
 
 
+# How long an idle collector thread waits for the next block before it ends: blocks opened one
+# after another (a `gc_window` around each step of a loop) share one thread, and a loop that has
+# finished leaves none behind.
+_IDLE_S = 0.5
+
+
 class _PeriodicCollector:
     """Python's automatic GC off, and a collection at most every window from a daemon thread,
     while periodic collection is wanted: switched on by ``toggle_periodic_gc(True)`` or by any
     open ``gc_window`` block, on any thread. Every change goes through ``_reconcile``, under one
     lock, from the state it keeps (the switch, the open blocks), never from what another thread
     found when it entered: blocks exit in any order and from any thread, and when the last one
-    exits (and the switch is off) automatic GC is back as it was and the thread has ended."""
+    exits (and the switch is off) automatic GC is back as it was. The thread outlives the last
+    block by ``_IDLE_S``, so that a block around each step of a loop does not start one per step."""
 
     def __init__(self) -> None:
         self.window_ms = 100  # set_auto_gc_window: the window of the switch
@@ -260,86 +268,111 @@ class _PeriodicCollector:
         # Open gc_window blocks: token -> (window in ms, the block's context manager, weakly).
         self._blocks: dict[int, tuple[int, weakref.ref[Any]]] = {}
         self._tokens = itertools.count(1)
-        self._thread: threading.Thread | None = None
-        # Put to stop the thread, or to make it read the window again. The C `SimpleQueue`: an
-        # exception from a signal handler (Ctrl-C) cannot leave it locked, as it can leave the
-        # Python lock of a `threading.Event`, which both threads would then wait for forever.
-        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._active = False  # automatic GC switched off by this collector
         self._was_enabled = True  # automatic GC when periodic collection started
+        self._thread: threading.Thread | None = None  # the collector thread, while it runs
+        self._timeout: float | None = None  # the window in force, in s; None: nothing wants one
+        self._waiting: float | None = None  # the timeout the thread waits with (None: idle)
+        # Put to make the thread read the window again. The C `SimpleQueue`: an exception from a
+        # signal handler (Ctrl-C) cannot leave it locked, as it can leave the Python lock of a
+        # `threading.Event`, which both threads would then wait for forever.
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._lock = threading.Lock()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
-    def _window_s(self) -> float:
-        """The window in force: the most recently opened block's, else the switch's."""
-        ms = next(reversed(self._blocks.values()))[0] if self._blocks else self.window_ms
-        return ms / 1000
-
-    def _run(self, wake: queue.SimpleQueue[None]) -> None:
+    def _run(self) -> None:
         me = threading.current_thread()
         while True:
+            with self._lock:
+                if self._thread is not me:
+                    return  # not the recorded thread (a start interrupted before recording it)
+                timeout = self._waiting = self._timeout
             try:
-                wake.get(timeout=self._window_s())  # the window in force, read afresh every time
-                woken = True
-            except queue.Empty:
-                woken = False
-            if self._thread is not me:
-                return  # stopped
-            if woken:
+                self._wake.get(timeout=_IDLE_S if timeout is None else timeout)
                 continue  # the window changed: wait for the new one
-            try:
-                gc.collect()
-            except Exception:  # a collection must never end periodic collection
-                logger.exception("rustws: a periodic garbage collection raised")
-            self.collections += 1
+            except queue.Empty:
+                pass
+            if timeout is None:
+                # Idle for _IDLE_S: end, unless a change left half-made (an exception from a signal
+                # handler in its reconciling) wants periodic collection after all.
+                self._tidy()
+                with self._lock:
+                    if self._timeout is None and self._thread is me:
+                        self._thread = None
+                        return
+                continue
+            if self._active:
+                try:
+                    gc.collect()
+                except Exception:  # a collection must never end periodic collection
+                    logger.exception("rustws: a periodic garbage collection raised")
+                self.collections += 1
             self._tidy()
 
     def _tidy(self) -> None:
-        """Drops the blocks whose context manager is gone without closing them, and stops when
-        nothing wants periodic collection any more: an exception from a signal handler (Ctrl-C)
-        can land between a block's opening and its `with` body, or between a change and the
-        reconciling of it, and must not leave Python's automatic GC off for good."""
+        """Drops the blocks whose context manager is gone without closing them, and reconciles:
+        an exception from a signal handler (Ctrl-C) can land between a block's opening and its
+        `with` body, or between a change and the reconciling of it, and must not leave Python's
+        automatic GC off for good."""
         with self._lock:
             for token in [t for t, (_, owner) in self._blocks.items() if owner() is None]:
                 del self._blocks[token]
-            self._reconcile()  # the thread stopped is this one: its loop ends
+            self._reconcile()
 
-    def _reconcile(self) -> threading.Thread | None:
-        """Starts or stops the thread to match the state, or makes it wait for the window in
-        force now (a new window takes effect at once). Called with the lock held; returns a
-        stopped thread for the caller to join once the lock is released (the thread may be
-        running a finaliser that needs the lock)."""
+    def _reconcile(self) -> None:
+        """Starts the thread if periodic collection is wanted and none runs, switches automatic GC
+        to match, and makes the thread wait for the window in force now (a new window takes effect
+        at once). Called with the lock held."""
         want = self._enabled or bool(self._blocks)
         # In an order that an exception from a signal handler, landing between any two steps,
         # leaves mended at the next reconcile (the thread's own, within a window): automatic GC is
-        # off only while a thread runs, and a thread runs only while it is the one recorded.
-        if want and self._thread is None:
-            self._wake = wake = queue.SimpleQueue()
-            thread = threading.Thread(target=self._run, args=(wake,), name="rustws-gc", daemon=True)
-            thread.start()
-            self._thread = thread
-            self._was_enabled = gc.isenabled()
-            gc.disable()
-        elif not want and self._thread is not None:
-            if self._was_enabled:
-                gc.enable()
-            thread, self._thread = self._thread, None
+        # off only while the thread waits for a window, and it reconciles at the end of each.
+        if want:
+            ms = next(reversed(self._blocks.values()))[0] if self._blocks else self.window_ms
+            if self._thread is None or not self._thread.is_alive():
+                thread = threading.Thread(target=self._run, name="rustws-gc", daemon=True)
+                thread.start()
+                self._thread = thread
+            self._set_timeout(ms / 1000)
+            if not self._active:
+                self._was_enabled = gc.isenabled()
+                self._active = True
+                gc.disable()
+        else:
+            if self._active:
+                if self._was_enabled:
+                    gc.enable()
+                self._active = False
+            self._set_timeout(None)
+
+    def _set_timeout(self, timeout: float | None) -> None:
+        self._timeout = timeout
+        # The thread waits with `_waiting` (or is between waits and reads `_timeout` next). Waking
+        # it only for a window it does not wait with already keeps a block around each step of a
+        # loop from waking it twice a step; a block's end never wakes it.
+        if timeout is not None and timeout != self._waiting:
+            self._waiting = timeout
             self._wake.put(None)
-            return thread
-        elif want:
-            self._wake.put(None)
-        return None
 
     def _change(self, update: Callable[[], None]) -> None:
         with self._lock:
             try:
                 update()
             finally:
-                stopped = self._reconcile()
-        if stopped is not None and stopped is not threading.current_thread():
-            stopped.join(timeout=10)
+                self._reconcile()
+
+    def _after_fork_in_child(self) -> None:
+        """The child has only the forking thread: no collector runs, and the lock may have been
+        held by another thread at the fork. Blocks still open (the forking thread's) keep periodic
+        collection, with a thread of the child's own."""
+        self._lock = threading.Lock()
+        self._wake = queue.SimpleQueue()
+        self._thread = None
+        self._timeout = self._waiting = None
+        if self._active or self._enabled or self._blocks:
+            try:
+                self._tidy()
+            except Exception:  # a child that cannot start a thread keeps automatic GC as it is
+                logger.exception("rustws: periodic collection could not restart after a fork")
 
     def set_enabled(self, enabled: bool) -> None:
         def update() -> None:
@@ -370,6 +403,8 @@ class _PeriodicCollector:
 
 
 _collector = _PeriodicCollector()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_collector._after_fork_in_child)
 
 # The longest window: what a timed wait takes on every platform (a larger one used to kill the
 # collector thread with OverflowError, and cyclic garbage was never collected again).
