@@ -119,6 +119,36 @@ def test_results_kept_every_cycle_among_changing_sizes_leave_the_arena_bounded()
     assert capacity <= 8 * largest, f"arenas of {capacity >> 20} MiB for cycles of {largest >> 20} MiB"
 
 
+def _changing_sizes(keep: bool) -> tuple[rustws.Workspace, list[int], list[np.ndarray]]:
+    ws = rustws.workspace("KEEP" if keep else "TEMPS")
+    rng = np.random.default_rng(9)
+    kept, spills = [], []
+    for rows in rng.choice([1, 4, 16, 64, 256, 37, 129], 900):
+        before = ws.stats().spill_count
+        with ws:
+            x = np.ones((int(rows), 1024), np.float32)
+            h = np.tanh(x * 0.5 + 1.0)
+            if keep:
+                kept.append(np.full(256, float(rows)))
+        spills.append(ws.stats().spill_count - before)
+    assert h.shape == x.shape
+    return ws, spills, kept
+
+
+def test_results_kept_among_changing_sizes_are_put_apart_and_cost_no_spills():
+    """Kept results scattered through the arena cut its free runs, and the temporaries spilled
+    around them (every cycle). Their size class is now served outside the arena once they outlive
+    a cycle in it: the loop spills no more than the same loop keeping nothing, and the kept
+    results are outside the arena, where a plain process keeps them too."""
+    ws, spills, kept = _changing_sizes(keep=True)
+    _, plain, _ = _changing_sizes(keep=False)
+    assert sum(spills[-300:]) <= sum(plain[-300:]), (sum(spills[-300:]), sum(plain[-300:]))
+    assert all((k == k[0]).all() for k in kept)
+    s = ws.stats()
+    kept_bytes = sum(k.nbytes for k in kept)
+    assert s.pinned_bytes >= kept_bytes and s.external_bytes >= 0.95 * kept_bytes, s
+
+
 def test_a_long_first_cycle_recycles_its_temporaries_by_class():
     import resource
 

@@ -10,7 +10,10 @@
 //! `cycles_before_initialization` cycles (at least one) and sizes the arena once; `OVER_TIME` does
 //! the same, then grows after a cycle that spilled; so does `REALLOCATE`, whatever the learning
 //! policy. The adaptive profile follows the largest need of the last [`NEED_WINDOW`] cycles: it
-//! grows after a cycle that needed more, and shrinks once an outlier has left the window.
+//! grows after a cycle that needed more, and shrinks once an outlier has left the window. An
+//! outlier that recurs (the arena grows back to it soon after shrinking from it: batches of
+//! changing sizes) is held longer, twice as long each time it comes back, up to [`MAX_HOLD`]
+//! cycles, so that the arena is not remapped and faulted in again every few cycles.
 //!
 //! Spills that happened while blocks of earlier cycles were in the arena are the arena's
 //! fragmentation around kept memory, not need: they never grow it (the external block cache
@@ -21,6 +24,12 @@ use crate::config::{AllocationPolicy, LearningPolicy, SpillPolicy, WorkspaceConf
 
 /// Cycles whose needs the adaptive profile remembers: the arena follows their maximum.
 pub const NEED_WINDOW: usize = 8;
+
+/// The most cycles a recurring outlier's need is held after it last recurred.
+pub const MAX_HOLD: u64 = 256;
+
+/// A shrink this many cycles or fewer before a growth back was too early: the need recurs.
+const REGROWN_WITHIN: u64 = 2 * NEED_WINDOW as u64;
 
 /// Arenas at least this large are rounded to whole 2 MiB huge pages.
 const HUGE_ROUND_THRESHOLD: usize = 64 << 20;
@@ -37,8 +46,8 @@ pub(crate) struct CycleFacts {
     pub spilled: usize,
     /// Whether blocks of earlier cycles were in the arena when the cycle opened.
     pub kept_in_arena: bool,
-    /// Whether blocks kept from earlier cycles still live at its end, with blocks in the arena's
-    /// current region: a region replacing it would be added beside it until they die, which for
+    /// Whether blocks pinned in the arena's current region at an earlier cycle's end still live
+    /// at its end: a region replacing it would be added beside it until they die, which for
     /// results kept from cycle to cycle is never (state that each cycle replaces dies in the
     /// next one, and does not count).
     pub pinned_in_arena: bool,
@@ -67,6 +76,21 @@ pub(crate) struct CycleLearner {
     /// The adaptive profile's last sizing: the need, the arena it left, and the target it
     /// computed (cycles that change neither skip the arithmetic).
     last: (usize, usize, usize),
+    /// The adaptive profile's recurring outlier.
+    hold: Hold,
+}
+
+/// A need the adaptive profile shrank away from and grew back to soon after: held, beside the
+/// window, for `len` cycles after a cycle last needed as much.
+#[derive(Debug, Default, Clone)]
+struct Hold {
+    need: usize,
+    /// The generation up to which it is held.
+    until: u64,
+    /// How long it is held: doubled each time the need comes back too soon after a shrink.
+    len: u64,
+    /// The generation of the last shrink, until the next growth.
+    shrunk_at: Option<u64>,
 }
 
 /// Arena capacity for a need of `need` bytes under the allocation policy and limits.
@@ -112,6 +136,7 @@ impl CycleLearner {
     /// The outermost cycle `generation` ended with `facts`, and the arena holds `current` bytes:
     /// what to do with it. `uses_arena`: false when the allocation or debug policy keeps every
     /// block outside an arena (the learner still learns, for the statistics).
+    #[inline(always)]
     pub fn end_cycle(
         &mut self,
         c: &WorkspaceConfiguration,
@@ -128,10 +153,19 @@ impl CycleLearner {
             0
         };
         if c.policy_learning == LearningPolicy::Adaptive {
-            self.recent[(generation % NEED_WINDOW as u64) as usize] = facts.need.max(short);
+            let need = facts.need.max(short);
+            self.recent[(generation % NEED_WINDOW as u64) as usize] = need;
             self.cycles_learned += 1;
             self.initialized = true;
-            let window = self.recent.iter().copied().max().unwrap_or(0);
+            let mut window = self.recent.iter().copied().max().unwrap_or(0);
+            if self.hold.len > 0 {
+                if need >= self.hold.need {
+                    self.hold.until = generation + self.hold.len;
+                }
+                if generation < self.hold.until {
+                    window = window.max(self.hold.need);
+                }
+            }
             self.need = window;
             if !uses_arena {
                 return Sizing::Keep;
@@ -143,6 +177,11 @@ impl CycleLearner {
             // only a region no result kept from earlier cycles holds on to, which the smaller one
             // then replaces (results kept every cycle would leave one region behind per shrink).
             let shrink = !facts.pinned_in_arena && current > target.saturating_add(target / 10).max(round_to_page(1));
+            if target > current {
+                self.regrow(generation, window);
+            } else if shrink {
+                self.hold.shrunk_at = Some(generation);
+            }
             if target > current && facts.pinned_in_arena {
                 // The region it replaces stays beside it while what lives there lives (results
                 // kept from earlier cycles): grown at least twofold, as a vector grows, so that a
@@ -173,6 +212,18 @@ impl CycleLearner {
             return self.grow_to(c, self.need, current, uses_arena);
         }
         Sizing::Keep
+    }
+
+    /// The arena grows to `window` at the end of cycle `generation`: where it shrank from that
+    /// need a short while ago, the need recurs, and is held twice as long as before.
+    fn regrow(&mut self, generation: u64, window: usize) {
+        if let Some(at) = self.hold.shrunk_at.take() {
+            if generation - at <= REGROWN_WITHIN {
+                self.hold.len = (self.hold.len * 2).clamp(REGROWN_WITHIN, MAX_HOLD);
+                self.hold.need = window;
+                self.hold.until = generation + self.hold.len;
+            }
+        }
     }
 
     /// A sizing could not be applied (the limit or the system refused the region): the next
@@ -287,6 +338,35 @@ mod tests {
         for (case, c, steps) in cases {
             check(case, c, &steps);
         }
+    }
+
+    #[test]
+    fn an_outlier_that_recurs_is_held_longer_each_time_it_comes_back() {
+        // Batches of changing sizes: a large one every 12 cycles, a gap longer than the window.
+        // The arena shrinks after the first (a one-off outlier for all it knows) and grows back
+        // at the second; from then on the need is held, and the arena is not remapped again.
+        let c = cfg(LearningPolicy::Adaptive, SpillPolicy::External);
+        let mut l = CycleLearner::new(&c);
+        let (mut current, mut remaps) = (0, Vec::new());
+        const M: usize = 1 << 20;
+        for g in 0..600u64 {
+            let need = if g % 12 == 1 { 16 * M } else { M };
+            if let Sizing::Map { capacity, .. } = l.end_cycle(&c, g, facts(need, 0, 0, false), current, true) {
+                current = capacity;
+                remaps.push(g);
+            }
+        }
+        assert!(remaps.len() <= 4 && remaps.iter().all(|&g| g < 40), "remapped at cycles {remaps:?}");
+        assert_eq!(current, capacity_for(&c, 16 * M));
+        // Once the outlier stops for good, the arena shrinks after the hold, at most MAX_HOLD cycles.
+        let mut shrunk_at = None;
+        for g in 600..600 + MAX_HOLD + NEED_WINDOW as u64 + 1 {
+            if let Sizing::Map { capacity, .. } = l.end_cycle(&c, g, facts(M, 0, 0, false), current, true) {
+                current = capacity;
+                shrunk_at.get_or_insert(g);
+            }
+        }
+        assert_eq!(current, capacity_for(&c, M), "shrunk back at {shrunk_at:?}");
     }
 
     #[test]

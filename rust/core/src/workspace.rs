@@ -8,7 +8,8 @@
 //!
 //! An allocation climbs one ladder ([`Workspace::alloc`]), in this order:
 //! 1. a block of its size class freed in the arena (the most recently freed: cache-hot), the
-//!    arena's bump hole, or a run of freed memory the arena's walk finds;
+//!    arena's bump hole, or a run of freed memory the arena's walk finds; not for a class kept
+//!    apart ([`Workspace::kept_apart`]), which starts at rung 5;
 //! 2. a bypass block, for requests under `helper_min_size` (all of them in the bypass mode, and
 //!    after `destroy`);
 //! 3. a refusal, where the spill policy is FAIL and the arena is sized;
@@ -18,6 +19,15 @@
 //!
 //! and rungs 4 and 6 take memory through the limit: when it refuses, the caches go back and the
 //! request is tried once more, then refused ([`Error::OutOfMemory`]).
+//!
+//! Blocks that outlive their cycles (results a loop keeps) stay where they were carved, and later
+//! cycles allocate around them: scattered through the arena, they cut its free runs, so that
+//! temporaries of changing sizes no longer fit and spill, and the region never rewinds, so that
+//! allocation moves on through all of it and every page of it stays resident. Under the adaptive
+//! profile, a cycle end that finds blocks pinned at an earlier one still live in the region puts
+//! their size classes apart ([`Apart`]): from then on those classes are served outside the arena,
+//! as results in a plain process are, a fresh region replaces the old one, and the arena holds
+//! temporaries (and state each cycle replaces) only.
 //!
 //! What a cycle never touched costs address space, not memory: a region pre-faults at most what
 //! the learned cycles used (and never more than [`PREFAULT_LIMIT`]), zeroed requests carved from
@@ -30,8 +40,10 @@ use crate::accounts::{Accounts, CycleReport, WorkspaceStats};
 use crate::arena::{is_live_arena, live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
 use crate::backend::{available_memory, round_to_page, AnonymousMemory, Backend, FileMappedMemory, LimitAdaptor};
 use crate::backend::{page_bytes, BLOCK_ALIGN};
-use crate::classes::{class_of, class_size};
-use crate::config::{AllocationPolicy, DebugMode, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration};
+use crate::classes::{class_of, class_size, ClassSet};
+use crate::config::{
+    AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, ResetPolicy, SpillPolicy, WorkspaceConfiguration,
+};
 use crate::error::{BackendError, Error, Name, Refusal};
 use crate::external::OwnBlocks;
 use crate::history::{Action, LiveBlock, Recorder, Segment, SegmentKind};
@@ -89,25 +101,41 @@ struct Route {
     /// Whether the CPU can touch the memory (headers sit in front of their blocks; fresh memory
     /// reads as zero).
     host: bool,
+    /// Whether size classes whose blocks outlive their cycles are served outside the arena once
+    /// they fragment it (the adaptive profile).
+    apart: bool,
 }
 
 impl Route {
     fn new(config: &WorkspaceConfiguration, debug: DebugMode, backend: &dyn Backend) -> Self {
         let plain = debug == DebugMode::Disabled;
         let always = config.policy_allocation == AllocationPolicy::Always;
+        let lists = config.policy_reset == ResetPolicy::BlockLeft;
+        let fail_spills = plain && config.policy_spill == SpillPolicy::Fail;
         Route {
             debug,
             bypass_below: if debug == DebugMode::BypassEverything { u64::MAX } else { config.helper_min_size },
             arena: plain && !always,
             spill_all: debug == DebugMode::SpillEverything,
             spills: !always,
-            fail_spills: plain && config.policy_spill == SpillPolicy::Fail,
+            fail_spills,
             huge: plain && backend.host_accessible() && config.policy_location == LocationPolicy::Ram,
             caches: plain && !always,
-            lists: config.policy_reset == ResetPolicy::BlockLeft,
+            lists,
             host: backend.host_accessible(),
+            apart: plain && !always && lists && !fail_spills && config.policy_learning == LearningPolicy::Adaptive,
         }
     }
+}
+
+/// The size classes kept apart from the arena (see the module docs), and what tells a cycle end
+/// when to look for more.
+#[derive(Debug, Default, Clone)]
+struct Apart {
+    /// Classes served outside the arena: their blocks outlived cycles in it.
+    classes: ClassSet,
+    /// The [`Cycles::kept_here`] at which the last look found no class to put apart.
+    looked: (u64, usize),
 }
 
 /// The cycles of a workspace: how many are open, how deep, and the pinning epoch.
@@ -127,6 +155,9 @@ struct Cycles {
     spilled: usize,
     /// Whether blocks of earlier cycles were in the arena when the open cycle began.
     kept_in_arena: bool,
+    /// The current region's id, and how many of the blocks pinned there at the last cycle end
+    /// still live (results kept across cycles, once the cycle that replaces state has run).
+    kept_here: (u64, usize),
     /// Whether the workspace was destroyed: no cycle opens again, and its memory goes back as
     /// its last blocks die. The one place this is decided.
     destroyed: bool,
@@ -201,6 +232,7 @@ pub struct Workspace {
     cycles: Cycles,
     learner: CycleLearner,
     accounts: Accounts,
+    apart: Apart,
     /// Whether its history is recorded (in the limit's [`Recorder`]): the one flag the ladder
     /// and frees test, so that recording costs nothing while off.
     recording: bool,
@@ -263,6 +295,7 @@ impl Workspace {
             huge: HugeCache::default(),
             cycles: Cycles::default(),
             accounts: Accounts::default(),
+            apart: Apart::default(),
             recording: false,
         };
         if ring.is_some() {
@@ -683,14 +716,23 @@ impl Workspace {
             escaped: self.accounts.live_slot - self.accounts.pinned_slot,
             spilled: self.cycles.spilled,
             kept_in_arena: self.cycles.kept_in_arena,
-            // Blocks pinned at an earlier cycle's end that still live (results kept from cycle
-            // to cycle, not state that the next cycle replaces), while the region holds blocks.
-            pinned_in_arena: self.accounts.pinned_blocks > 0
-                && self.regions.current().is_some_and(|r| r.live_blocks() > 0),
+            // Blocks pinned in the region at an earlier cycle's end that still live (results kept
+            // from cycle to cycle, not state that this cycle replaced).
+            pinned_in_arena: self.cycles.kept_here.1 > 0
+                && self.regions.current().map(ArenaRegion::id) == Some(self.cycles.kept_here.0),
         };
         let current = self.regions.current_capacity();
         let region_before = self.regions.current().map(ArenaRegion::id);
-        let sizing = self.learner.end_cycle(&self.config, self.cycles.completed - 1, facts, current, self.route.arena);
+        // Put apart before the arena is sized, at the last close: it sees which blocks outlived
+        // cycles.
+        let apart = self.cycles.active == 0 && self.route.apart && self.keep_apart();
+        let mut sizing =
+            self.learner.end_cycle(&self.config, self.cycles.completed - 1, facts, current, self.route.arena);
+        if apart && matches!(sizing, Sizing::Keep) {
+            // The kept blocks of the classes now apart still cut the region's free runs: a fresh
+            // region of the same size replaces it, and the old one keeps only the pages under them.
+            sizing = Sizing::Map { capacity: current, prefault: self.learner.need };
+        }
         // A failure to map leaves the workspace serving outside the arena; it retries next cycle.
         let _ = self.apply(sizing);
         if self.regions.current().map(ArenaRegion::id) != region_before {
@@ -729,6 +771,7 @@ impl Workspace {
             }
             self.cycles.epoch += 1;
             (report.escaped_blocks, report.escaped_bytes) = self.accounts.close_cycle(live_blocks);
+            self.cycles.kept_here = self.regions.current().map_or((0, 0), |r| (r.id(), r.live_blocks()));
         }
         report.pinned_bytes = self.accounts.pinned;
         self.cycles.last = report;
@@ -742,6 +785,53 @@ impl Workspace {
             r.set_cycle(self.cycles.completed);
         }
         Ok(report)
+    }
+
+    /// Puts apart the classes of the blocks in the current region that an earlier cycle end left
+    /// live and this cycle did not free: results kept across cycles. Returns whether a class was
+    /// put apart now. Looks (O(blocks of the region)) only where such blocks live, and not again
+    /// while they are the ones a look found nothing new among.
+    #[inline]
+    fn keep_apart(&mut self) -> bool {
+        let kept = self.cycles.kept_here;
+        if kept.1 == 0 || kept == self.apart.looked || self.regions.current().map(ArenaRegion::id) != Some(kept.0) {
+            return false;
+        }
+        self.look_apart()
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn look_apart(&mut self) -> bool {
+        let epoch = self.cycles.epoch;
+        let Some(r) = self.regions.current() else { return false };
+        let (classes, mut added) = (&mut self.apart.classes, false);
+        r.each_live(|_, _, requested, generation| {
+            if generation < epoch {
+                if let Some(c) = class_of(requested) {
+                    added |= !classes.contains(c);
+                    classes.insert(c);
+                }
+            }
+        });
+        if !added {
+            self.apart.looked = self.cycles.kept_here;
+        }
+        added
+    }
+
+    /// Which size classes are served outside the arena because their blocks outlive cycles.
+    pub fn kept_apart(&self) -> Vec<usize> {
+        let mut v = Vec::new();
+        let mut c = 0;
+        while let Some(k) = self.apart.classes.next_from(c) {
+            v.push(k);
+            c = k + 1;
+            if c >= crate::classes::CLASSES {
+                break;
+            }
+        }
+        v
     }
 
     /// At a cycle end, the external cache keeps what recent cycles used outside the arena, and
@@ -790,6 +880,9 @@ impl Workspace {
         }
         // A destroyed workspace has no region, so it takes the slow path.
         if (req.size as u64) >= self.route.bypass_below {
+            if self.apart.classes.contains(req.class) {
+                return self.alloc_apart(req);
+            }
             if let Some(p) = self.carve_arena(req) {
                 return Ok(p);
             }
@@ -859,13 +952,24 @@ impl Workspace {
     /// Rungs 2 to 6: outside the arena.
     #[cold]
     fn alloc_outside(&mut self, req: Request) -> Result<NonNull<u8>, Error> {
+        let spill = (self.learner.initialized && self.route.spills) || self.route.spill_all;
+        self.serve_outside(req, spill)
+    }
+
+    /// A request of a class kept apart: rungs 2 to 6, and no spill, since the arena is meant not
+    /// to hold it.
+    #[cold]
+    fn alloc_apart(&mut self, req: Request) -> Result<NonNull<u8>, Error> {
+        self.serve_outside(req, false)
+    }
+
+    fn serve_outside(&mut self, req: Request, spill: bool) -> Result<NonNull<u8>, Error> {
         let req = req.outside();
         if (req.size as u64) < self.route.bypass_below || self.cycles.destroyed {
             // Code still running after `destroy` (an array NumPy resizes, a handler still
             // installed) is served outside the workspace.
             return self.bypass_block(req);
         }
-        let spill = (self.learner.initialized && self.route.spills) || self.route.spill_all;
         if spill && self.route.fail_spills {
             return Err(self.refuse(req.size, "the arena is full and the spill policy is FAIL"));
         }
@@ -1114,6 +1218,9 @@ impl Workspace {
             (BlockKind::Arena, Some(at)) if self.regions.get(at).id() == region => {
                 if pinned {
                     self.accounts.unpin(size, slot);
+                    if self.cycles.kept_here.0 == region {
+                        self.cycles.kept_here.1 = self.cycles.kept_here.1.saturating_sub(1);
+                    }
                 }
                 self.accounts.uncount_arena(size, slot);
                 // SAFETY: the header is live, not borrowed, and names the region it lies in.
