@@ -265,8 +265,9 @@ class _PeriodicCollector:
         self.window_ms = 100  # set_auto_gc_window: the window of the switch
         self.collections = 0
         self._enabled = False  # toggle_periodic_gc
-        # Open gc_window blocks: token -> (window in ms, the block's context manager, weakly).
-        self._blocks: dict[int, tuple[int, weakref.ref[Any]]] = {}
+        # Open gc_window blocks: token -> (window in ms, the block's context manager, weakly, the
+        # thread that opened it).
+        self._blocks: dict[int, tuple[int, weakref.ref[Any], int]] = {}
         self._tokens = itertools.count(1)
         self._active = False  # automatic GC switched off by this collector
         self._was_enabled = True  # automatic GC when periodic collection started
@@ -314,7 +315,7 @@ class _PeriodicCollector:
         `with` body, or between a change and the reconciling of it, and must not leave Python's
         automatic GC off for good."""
         with self._lock:
-            for token in [t for t, (_, owner) in self._blocks.items() if owner() is None]:
+            for token in [t for t, (_, owner, _) in self._blocks.items() if owner() is None]:
                 del self._blocks[token]
             self._reconcile()
 
@@ -348,10 +349,16 @@ class _PeriodicCollector:
         self._timeout = timeout
         # The thread waits with `_waiting` (or is between waits and reads `_timeout` next). Waking
         # it only for a window it does not wait with already keeps a block around each step of a
-        # loop from waking it twice a step; a block's end never wakes it.
-        if timeout is not None and timeout != self._waiting:
-            self._waiting = timeout
+        # loop from waking it twice a step; a block's end wakes it only from a window longer than
+        # the idle wait, so that it ends within that wait.
+        waiting = self._waiting
+        to_window = timeout is not None and timeout != waiting
+        to_idle = timeout is None and waiting is not None and waiting > _IDLE_S
+        if to_window or to_idle:
+            # The wake first: an exception from a signal handler between the two then costs a
+            # spare wake, never a lost one.
             self._wake.put(None)
+            self._waiting = timeout
 
     def _change(self, update: Callable[[], None]) -> None:
         with self._lock:
@@ -362,12 +369,15 @@ class _PeriodicCollector:
 
     def _after_fork_in_child(self) -> None:
         """The child has only the forking thread: no collector runs, and the lock may have been
-        held by another thread at the fork. Blocks still open (the forking thread's) keep periodic
-        collection, with a thread of the child's own."""
+        held by another thread at the fork. The blocks other threads had open end (no thread of
+        the child will exit them); the forking thread's keep periodic collection, with a thread
+        of the child's own."""
         self._lock = threading.Lock()
         self._wake = queue.SimpleQueue()
         self._thread = None
         self._timeout = self._waiting = None
+        me = threading.get_ident()
+        self._blocks = {t: b for t, b in self._blocks.items() if b[2] == me}
         if self._active or self._enabled or self._blocks:
             try:
                 self._tidy()
@@ -390,7 +400,7 @@ class _PeriodicCollector:
         token = next(self._tokens)
 
         def update() -> None:
-            self._blocks[token] = (ms, weakref.ref(owner))
+            self._blocks[token] = (ms, weakref.ref(owner), threading.get_ident())
 
         self._change(update)
         return token

@@ -534,3 +534,53 @@ def test_a_child_forked_inside_a_window_collects_periodically_and_gets_automatic
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0"], "the child collected no cycle, or kept automatic GC off"
+
+
+def test_the_collector_ends_soon_after_a_long_window_closes():
+    """A block of a long window, or the switch with the longest, leaves no thread waiting out that
+    window once it is over: the thread ends within its idle wait."""
+    with rustws.gc_window(60_000):
+        assert len(_gc_threads()) == 1
+    assert _gc_thread_ended(3), "the collector waited out the block's window"
+    rustws.set_auto_gc_window(rustws._pipeline.MAX_GC_WINDOW_MS)
+    rustws.toggle_periodic_gc(True)
+    try:
+        assert not gc.isenabled()
+    finally:
+        rustws.toggle_periodic_gc(False)
+        rustws.set_auto_gc_window(100)
+    assert gc.isenabled() and _gc_thread_ended(3), "the collector waited out the switch's window"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+def test_a_child_forked_while_another_thread_has_a_window_open_gets_automatic_gc_back():
+    """Blocks of other threads do not exist in a forked child (no thread there will exit them):
+    the child gets automatic GC back at once."""
+    code = textwrap.dedent(
+        """
+        import gc, os, threading
+        import rustws
+
+        entered, leave = threading.Event(), threading.Event()
+
+        def hold():
+            with rustws.gc_window(5):
+                entered.set()
+                leave.wait(10)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        entered.wait(10)
+        assert not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() else 3)
+        leave.set()
+        t.join()
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == "0", "the child kept automatic GC off for another thread's block"

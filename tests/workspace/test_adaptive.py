@@ -149,6 +149,22 @@ def test_results_kept_among_changing_sizes_are_put_apart_and_cost_no_spills():
     assert s.pinned_bytes >= kept_bytes and s.external_bytes >= 0.95 * kept_bytes, s
 
 
+def test_a_large_result_kept_under_max_size_leaves_every_cycle_served():
+    """Under `max_size` the arena and what is served outside it share one budget: a kept result
+    moves no class out of the arena, and the cycles that follow are served as before."""
+    cfg = rustws.WorkspaceConfiguration.adaptive().replace(max_size=48 << 20)
+    ws = rustws.workspace("LIMITED", cfg)
+    keep = []
+    for k in range(40):
+        with ws:
+            x = np.ones((2048, 1024), np.float32)  # 8 MiB temporaries
+            h = np.tanh(x * 0.5 + 1.0)
+            if k == 5:
+                keep.append(h.copy())
+    assert ws.stats().failed_allocations == 0
+    assert float(keep[0][0, 0]) == float(np.tanh(np.float32(1.5)))
+
+
 def test_a_long_first_cycle_recycles_its_temporaries_by_class():
     import resource
 

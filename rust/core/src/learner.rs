@@ -11,9 +11,10 @@
 //! the same, then grows after a cycle that spilled; so does `REALLOCATE`, whatever the learning
 //! policy. The adaptive profile follows the largest need of the last [`NEED_WINDOW`] cycles: it
 //! grows after a cycle that needed more, and shrinks once an outlier has left the window. An
-//! outlier that recurs (the arena grows back to it soon after shrinking from it: batches of
-//! changing sizes) is held longer, twice as long each time it comes back, up to [`MAX_HOLD`]
-//! cycles, so that the arena is not remapped and faulted in again every few cycles.
+//! outlier that recurs (the arena grows back to at least half the size it shrank from, within
+//! twice the window: batches of changing sizes) is held longer, twice as long each time it comes
+//! back, up to [`MAX_HOLD`] cycles, so that the arena is not remapped and faulted in again every
+//! few cycles; a hold that runs out and is not followed by a recurrence is forgotten.
 //!
 //! Spills that happened while blocks of earlier cycles were in the arena are the arena's
 //! fragmentation around kept memory, not need: they never grow it (the external block cache
@@ -89,8 +90,9 @@ struct Hold {
     until: u64,
     /// How long it is held: doubled each time the need comes back too soon after a shrink.
     len: u64,
-    /// The generation of the last shrink, until the next growth.
-    shrunk_at: Option<u64>,
+    /// The generation of the last shrink and the capacity it shrank from, until the next growth
+    /// or until it is too long ago to count.
+    shrunk: Option<(u64, usize)>,
 }
 
 /// Arena capacity for a need of `need` bytes under the allocation policy and limits.
@@ -178,9 +180,12 @@ impl CycleLearner {
             // then replaces (results kept every cycle would leave one region behind per shrink).
             let shrink = !facts.pinned_in_arena && current > target.saturating_add(target / 10).max(round_to_page(1));
             if target > current {
-                self.regrow(generation, window);
+                self.regrow(generation, target);
             } else if shrink {
-                self.hold.shrunk_at = Some(generation);
+                self.hold.shrunk = Some((generation, current));
+            } else if self.hold.shrunk.is_some_and(|(at, _)| generation - at > REGROWN_WITHIN) {
+                // The shrink stuck: whatever was held no longer recurs.
+                self.hold = Hold::default();
             }
             if target > current && facts.pinned_in_arena {
                 // The region it replaces stays beside it while what lives there lives (results
@@ -214,13 +219,14 @@ impl CycleLearner {
         Sizing::Keep
     }
 
-    /// The arena grows to `window` at the end of cycle `generation`: where it shrank from that
-    /// need a short while ago, the need recurs, and is held twice as long as before.
-    fn regrow(&mut self, generation: u64, window: usize) {
-        if let Some(at) = self.hold.shrunk_at.take() {
-            if generation - at <= REGROWN_WITHIN {
+    /// The arena grows to `target` bytes at the end of cycle `generation`, for the need
+    /// `self.need`: where it shrank from about that size a short while ago, the need recurs, and
+    /// is held twice as long as before.
+    fn regrow(&mut self, generation: u64, target: usize) {
+        if let Some((at, from)) = self.hold.shrunk.take() {
+            if generation - at <= REGROWN_WITHIN && target.saturating_mul(2) >= from {
                 self.hold.len = (self.hold.len * 2).clamp(REGROWN_WITHIN, MAX_HOLD);
-                self.hold.need = window;
+                self.hold.need = self.need;
                 self.hold.until = generation + self.hold.len;
             }
         }
@@ -367,6 +373,22 @@ mod tests {
             }
         }
         assert_eq!(current, capacity_for(&c, M), "shrunk back at {shrunk_at:?}");
+        // A hold that ran out with no recurrence is forgotten: a later one-off outlier shrinks
+        // back once it has left the window, as the first one did.
+        let g0 = 600 + MAX_HOLD + NEED_WINDOW as u64 + 1 + 2 * REGROWN_WITHIN;
+        for g in g0 - 2 * REGROWN_WITHIN..g0 {
+            l.end_cycle(&c, g, facts(M, 0, 0, false), current, true);
+        }
+        let mut caps = Vec::new();
+        for g in g0..=g0 + NEED_WINDOW as u64 {
+            let need = if g == g0 { 16 * M } else { M };
+            if let Sizing::Map { capacity, .. } = l.end_cycle(&c, g, facts(need, 0, 0, false), current, true) {
+                current = capacity;
+            }
+            caps.push(current);
+        }
+        assert_eq!(caps[0], capacity_for(&c, 16 * M));
+        assert_eq!(current, capacity_for(&c, M), "a one-off outlier held: {caps:?}");
     }
 
     #[test]

@@ -24,10 +24,13 @@
 //! cycles allocate around them: scattered through the arena, they cut its free runs, so that
 //! temporaries of changing sizes no longer fit and spill, and the region never rewinds, so that
 //! allocation moves on through all of it and every page of it stays resident. Under the adaptive
-//! profile, a cycle end that finds blocks pinned at an earlier one still live in the region puts
-//! their size classes apart ([`Apart`]): from then on those classes are served outside the arena,
-//! as results in a plain process are, a fresh region replaces the old one, and the arena holds
-//! temporaries (and state each cycle replaces) only.
+//! profile without `max_size`, a cycle end that finds blocks of up to [`APART_MAX`] bytes pinned
+//! at an earlier one still live in the region puts their size classes apart ([`Apart`]): from
+//! then on those classes are served outside the arena, as results in a plain process are, a
+//! fresh region replaces the old one, and the arena holds temporaries (and state each cycle
+//! replaces) only. Larger classes stay: the cycle's own large temporaries usually share them, and
+//! would leave the arena too while it stays sized for them. Under a limit, the arena and what is
+//! served outside it share one budget, and a class moved out could find no room there.
 //!
 //! What a cycle never touched costs address space, not memory: a region pre-faults at most what
 //! the learned cycles used (and never more than [`PREFAULT_LIMIT`]), zeroed requests carved from
@@ -123,10 +126,18 @@ impl Route {
             caches: plain && !always,
             lists,
             host: backend.host_accessible(),
-            apart: plain && !always && lists && !fail_spills && config.policy_learning == LearningPolicy::Adaptive,
+            apart: plain
+                && !always
+                && lists
+                && !fail_spills
+                && config.policy_learning == LearningPolicy::Adaptive
+                && config.max_size == 0,
         }
     }
 }
+
+/// The largest blocks whose classes are put apart (see the module docs).
+const APART_MAX: usize = 256 << 10;
 
 /// The size classes kept apart from the arena (see the module docs), and what tells a cycle end
 /// when to look for more.
@@ -807,7 +818,7 @@ impl Workspace {
         let Some(r) = self.regions.current() else { return false };
         let (classes, mut added) = (&mut self.apart.classes, false);
         r.each_live(|_, _, requested, generation| {
-            if generation < epoch {
+            if generation < epoch && requested <= APART_MAX {
                 if let Some(c) = class_of(requested) {
                     added |= !classes.contains(c);
                     classes.insert(c);
