@@ -833,15 +833,8 @@ impl Workspace {
 
     /// Which size classes are served outside the arena because their blocks outlive cycles.
     pub fn kept_apart(&self) -> Vec<usize> {
-        let mut v = Vec::new();
-        let mut c = 0;
-        while let Some(k) = self.apart.classes.next_from(c) {
-            v.push(k);
-            c = k + 1;
-            if c >= crate::classes::CLASSES {
-                break;
-            }
-        }
+        let mut v: Vec<usize> = self.apart.classes.iter_desc().collect();
+        v.reverse();
         v
     }
 

@@ -732,11 +732,8 @@ impl Scope {
             let mut open = me.open.lock().unwrap_or_else(|e| e.into_inner());
             // The innermost scope of this object opened here (this thread, task and context), else
             // the one whose entering frame runs this exit (its owner, finalised elsewhere).
-            let i = open.iter().rposition(|s| s.is_here() && s.task == task).or_else(|| {
-                let now = crate::shared::caller_frames::<4>();
-                let entered = |near| open.iter().rposition(|s| s.entered_in(&now, near));
-                entered(false).or_else(|| entered(true))
-            });
+            let i =
+                open.iter().rposition(|s| s.is_here() && s.task == task).or_else(|| crate::shared::entered_here(&open));
             (i.map(|i| open.remove(i)), !open.is_empty())
         };
         let Some(state) = state else {

@@ -471,6 +471,15 @@ pub(crate) fn take_frozen(name: &str, requested: u64) -> Option<Vec<MemoryState>
     }
 }
 
+/// Which of `scopes` (innermost last) the frame running this exit entered: the innermost one its
+/// very frame entered, else the innermost one a wrapper called from it entered (see
+/// [`ScopeState::entered_in`]). An exit from elsewhere is its owner's only so.
+pub(crate) fn entered_here(scopes: &[Arc<ScopeState>]) -> Option<usize> {
+    let now = caller_frames::<4>();
+    let entered = |near| scopes.iter().rposition(|s| s.entered_in(&now, near));
+    entered(false).or_else(|| entered(true))
+}
+
 /// The `N` innermost Python frames of this thread (their addresses, innermost first), 0 for each
 /// that is not there.
 pub(crate) fn caller_frames<const N: usize>() -> [usize; N] {

@@ -283,10 +283,8 @@ impl CoreState {
                     Some(copy)
                 });
                 let open = open.ok_or_else(|| errors::no_memory(py))?;
-                // The scope its very frame entered, else one a wrapper called from it entered.
-                let now = crate::shared::caller_frames::<4>();
-                let entered = |near| open.iter().rev().find(|s| s.entered_in(&now, near)).cloned();
-                let (owned, any_open) = (entered(false).or_else(|| entered(true)), !open.is_empty());
+                let owned = crate::shared::entered_here(&open).map(|i| open[i].clone());
+                let any_open = !open.is_empty();
                 let what = scope::describe(me);
                 match owned {
                     Some(state) => {
