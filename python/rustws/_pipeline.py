@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import logging
 import os
 import queue
 import threading
@@ -24,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from . import _log
 from ._config import ResetPolicy, SpillPolicy, WorkspaceConfiguration
 from ._workspace import Workspace, workspace
 
 __all__ = ["AsyncPrefetch", "AsyncShield", "gc_window", "set_auto_gc_window", "toggle_periodic_gc"]
 
 _END = object()
-logger = logging.getLogger("rustws")
 
 
 class _Failure:
@@ -305,7 +304,7 @@ class _PeriodicCollector:
                 try:
                     gc.collect()
                 except Exception:  # a collection must never end periodic collection
-                    logger.exception("rustws: a periodic garbage collection raised")
+                    _log.logger().exception("rustws: a periodic garbage collection raised")
                 self.collections += 1
             self._tidy()
 
@@ -382,7 +381,7 @@ class _PeriodicCollector:
             try:
                 self._tidy()
             except Exception:  # a child that cannot start a thread keeps automatic GC as it is
-                logger.exception("rustws: periodic collection could not restart after a fork")
+                _log.logger().exception("rustws: periodic collection could not restart after a fork")
 
     def set_enabled(self, enabled: bool) -> None:
         def update() -> None:

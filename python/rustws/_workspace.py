@@ -12,12 +12,10 @@ so this module never imports it.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import resource
 import sys
 import threading
-import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -26,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, TextIO, TypeAlias
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from . import _rustws
+from . import _log, _rustws
 from ._config import WorkspaceConfiguration, WorkspaceStats
 from ._errors import (
     EscapedArrayWarning,
@@ -53,10 +51,6 @@ __all__ = [
     "workspaces",
 ]
 
-logger = logging.getLogger("rustws")
-# A library's logger: silent unless the program configures logging (then WARNING records of refused
-# requests, INFO when a workspace settles, DEBUG records of what its arena does).
-logger.addHandler(logging.NullHandler())
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -186,6 +180,8 @@ class Workspace(_rustws.WorkspaceCore):
     def _traced(self, allocate: Any) -> Any:
         def traced(*args: Any, **kwargs: Any) -> Any:
             a = allocate(*args, **kwargs)
+            import traceback
+
             frame = traceback.extract_stack(limit=2)[0]  # the caller of the allocation
             traces = self._traces
             traces.append(
@@ -533,8 +529,9 @@ def _report_refusals(refusals: list[BaseException]) -> None:
             for note in (f"rustws: {refusal}", *getattr(refusal, "__notes__", ())):
                 if note and note not in notes:
                     exc.add_note(note)
-    for refusal in refusals:
-        logger.warning("%s", refusal)
+    if refusals and _log.enabled(_log.WARNING):
+        for refusal in refusals:
+            _log.logger().warning("%s", refusal)
 
 
 def _check_name(name: Any) -> str:
@@ -675,8 +672,8 @@ class _CycleObserver:
         before = _thread_faults()
         entered = super().__enter__()  # type: ignore[misc]
         faults = _thread_faults() - before
-        if faults and logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
+        if faults and _log.enabled(_log.DEBUG):
+            _log.logger().debug(
                 "workspace %r: %d page faults while opening cycle %d (the arena's learned part is "
                 "pre-faulted)",
                 ws.name,
@@ -701,7 +698,7 @@ _OBSERVED: dict[type, type] = {}
 
 def _observed(ws: Workspace) -> Workspace:
     cls = type(ws)
-    if isinstance(ws, _CycleObserver) or not logger.isEnabledFor(logging.INFO):
+    if isinstance(ws, _CycleObserver) or not _log.enabled(_log.INFO):
         return ws
     observed = _OBSERVED.get(cls)
     if observed is None:
@@ -715,13 +712,14 @@ def _observed(ws: Workspace) -> Workspace:
 
 
 def _after_observed_cycle(ws: Any) -> None:
-    if not logger.isEnabledFor(logging.INFO):
+    if not _log.enabled(_log.INFO):
         ws.__class__ = type(ws).__mro__[2]  # the class it had: back to the bindings' cycles
         return
     # The core's report of the cycle that just closed: no statistics are compared.
     cycle, allocations, spills, peak, before, after, pinned = ws._last_cycle()
     changed = before != after
-    if logger.isEnabledFor(logging.DEBUG):
+    logger = _log.logger()
+    if logger.isEnabledFor(_log.DEBUG):
         name = ws.name
         if changed:
             if before == 0:

@@ -25,6 +25,38 @@ def test_the_logger_is_silent_unless_configured():
     assert any(isinstance(h, logging.NullHandler) for h in handlers)
 
 
+LATE_LOGGING = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import rustws
+
+    assert "logging" not in sys.modules, "imported with rustws"
+    for _ in range(3):
+        with rustws.workspace("QUIET"):
+            np.tanh(np.ones(4096))
+    assert "logging" not in sys.modules, "imported by cycles nobody logs"
+    import logging
+
+    logging.basicConfig(level=logging.DEBUG, format="%(name)s %(levelname)s %(message)s")
+    for _ in range(3):
+        with rustws.workspace("LOUD"):
+            np.tanh(np.ones(4096))
+    """
+)
+
+
+def test_logging_is_imported_only_by_programs_that_use_it():
+    """A program that never imports ``logging`` does not get it from rustws (its modules take
+    memory that plain NumPy does not); one that configures it later gets the records."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "PYTHONDEVMODE")}
+    proc = subprocess.run([sys.executable, "-c", LATE_LOGGING], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "rustws INFO workspace 'LOUD'" in proc.stderr, proc.stderr
+    assert "rustws DEBUG workspace 'LOUD'" in proc.stderr, proc.stderr
+    assert "QUIET" not in proc.stderr, proc.stderr
+
+
 def _cycles(ws_name: str, sizes: list[int]) -> None:
     for n in sizes:
         with rustws.workspace(ws_name):

@@ -117,18 +117,27 @@ pub(crate) struct ExternalPeaks {
     /// Bytes of external blocks made fresh in the open cycle (for returning the block
     /// allocator's cache once an arena takes over).
     pub made: usize,
+    /// The least slot bytes live outside the arena so far in the open cycle, and the most they
+    /// rose above such a low: what the cycle had outside at once, whatever came and went before.
+    low: usize,
+    pub rise: usize,
 }
 
 impl ExternalPeaks {
     /// A cycle opens with `live` slot bytes outside the arena.
     pub fn open_cycle(&mut self, live: usize) {
         self.open = live;
+        self.low = live;
+        self.rise = 0;
     }
 
-    /// `live` slot bytes are outside the arena now.
+    /// A block went outside the arena: `before` slot bytes lived there just before it, `live`
+    /// now (only frees came since the last note, so `before` is the least since then).
     #[inline]
-    pub fn note(&mut self, live: usize) {
+    pub fn note(&mut self, before: usize, live: usize) {
         self.open = self.open.max(live);
+        self.low = self.low.min(before);
+        self.rise = self.rise.max(live.saturating_sub(self.low));
     }
 
     /// The open cycle, `generation`, ends.
@@ -522,23 +531,33 @@ mod tests {
         const M: usize = 1 << 20;
         let mut peaks = ExternalPeaks::default();
         peaks.open_cycle(0);
-        peaks.note(100 * M);
-        peaks.note(40 * M);
+        peaks.note(0, 100 * M);
+        peaks.note(30 * M, 40 * M);
         peaks.close_cycle(0);
         assert_eq!(peaks.cache_budget(0), 100 * M);
         assert_eq!(peaks.cache_budget(60 * M), 40 * M, "what is live takes its share");
         assert_eq!(peaks.cache_budget(100 * M), SLACK, "at the peak: the slack");
         assert_eq!(peaks.slack(0), SLACK, "a quarter of a 100 MiB peak is more than the most");
+        // The rise: what the cycle had outside at once above what lived there before, counted
+        // from the lowest point so far (blocks of earlier cycles freed on the way down).
+        let mut rise = ExternalPeaks::default();
+        rise.open_cycle(50 * M);
+        rise.note(20 * M, 30 * M);
+        assert_eq!(rise.rise, 10 * M);
+        rise.note(25 * M, 90 * M);
+        assert_eq!(rise.rise, 70 * M, "from the low of 20 MiB, not from the 50 the cycle opened with");
+        rise.note(60 * M, 65 * M);
+        assert_eq!(rise.rise, 70 * M, "a temporary spilled again counts once");
         let mut small = ExternalPeaks::default();
         small.open_cycle(0);
         assert_eq!(small.slack(0), MIN_SLACK, "nothing held yet: the least");
-        small.note(8 * M);
+        small.note(0, 8 * M);
         assert_eq!(small.slack(M), 2 * M, "a quarter of the peak");
         assert_eq!(small.slack(12 * M), 3 * M, "or of what lives, when more lives");
         // Once the window has moved past the peak, the budget follows the smaller cycles.
         for g in 1..=NEED_WINDOW as u64 {
             peaks.open_cycle(0);
-            peaks.note(30 * M);
+            peaks.note(0, 30 * M);
             peaks.close_cycle(g);
         }
         peaks.open_cycle(0);

@@ -18,7 +18,8 @@
 //!
 //! Spills that happened while blocks of earlier cycles were in the arena are the arena's
 //! fragmentation around kept memory, not need: they never grow it (the external block cache
-//! serves them). Spills from an arena that held nothing kept grow it by what spilled.
+//! serves them). Spills from an arena that held nothing kept grow it by what spilled and was
+//! outside at once (a temporary spilled again and again counts once).
 
 use crate::backend::round_to_page;
 use crate::config::{AllocationPolicy, LearningPolicy, SpillPolicy, WorkspaceConfiguration};
@@ -43,7 +44,8 @@ pub(crate) struct CycleFacts {
     pub need: usize,
     /// Slot bytes of the cycle's blocks still live at its end (they escape it).
     pub escaped: usize,
-    /// Slot bytes served outside an initialised arena.
+    /// Slot bytes served outside an initialised arena, as many as were outside at once: the
+    /// room the arena lacked.
     pub spilled: usize,
     /// Whether blocks of earlier cycles were in the arena when the cycle opened.
     pub kept_in_arena: bool,
@@ -148,7 +150,7 @@ impl CycleLearner {
         uses_arena: bool,
     ) -> Sizing {
         // Spills from an arena holding nothing kept: it is too small for this cycle (or too
-        // fragmented by it), by what spilled.
+        // fragmented by it), by what spilled and was outside at once.
         let short = if facts.spilled > 0 && !facts.kept_in_arena && current > 0 {
             current.saturating_add(facts.spilled)
         } else {

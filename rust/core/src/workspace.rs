@@ -725,7 +725,9 @@ impl Workspace {
         let facts = CycleFacts {
             need: self.accounts.cycle_need(),
             escaped: self.accounts.live_slot - self.accounts.pinned_slot,
-            spilled: self.cycles.spilled,
+            // What spilled and was outside at once: a temporary spilled again and again counts
+            // once, as the arena would have held it once.
+            spilled: self.cycles.spilled.min(self.own.peaks.rise),
             kept_in_arena: self.cycles.kept_in_arena,
             // Blocks pinned in the region at an earlier cycle's end that still live (results kept
             // from cycle to cycle, not state that this cycle replaced).
@@ -980,6 +982,7 @@ impl Workspace {
         if self.route.huge && req.size >= HUGE_BLOCK_MIN && req.size >= self.learner.need / 2 {
             return self.alloc_huge(req);
         }
+        let before = self.accounts.external_slot;
         let p = match self.cached_block(req) {
             Some(p) => p,
             None => self.new_external(req)?,
@@ -988,7 +991,7 @@ impl Workspace {
             self.accounts.spills += 1;
             self.cycles.spilled = self.cycles.spilled.saturating_add(req.slot);
         }
-        self.own.peaks.note(self.accounts.external_slot);
+        self.own.peaks.note(before, self.accounts.external_slot);
         Ok(p)
     }
 
