@@ -9,7 +9,6 @@ record is made (with ``logging`` unconfigured, the logger's ``NullHandler`` drop
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,24 +17,24 @@ DEBUG = 10
 INFO = 20
 WARNING = 30
 
-_made = threading.Lock()
 _logger: Any = None
 
 
 def logger() -> Any:
-    """The ``rustws`` logger, with a ``NullHandler`` (a library's logger), made when first asked."""
+    """The ``rustws`` logger, with a ``NullHandler`` (a library's logger), made when first asked.
+    No lock of ours: ``logging`` makes one logger per name under its own (reset in a forked
+    child), and threads that both get here add a second ``NullHandler`` at worst."""
     global _logger, enabled
     if _logger is None:
         import logging
 
-        with _made:
-            if _logger is None:
-                log = logging.getLogger("rustws")
-                log.addHandler(logging.NullHandler())
-                _logger = log
-                # From now on the check is the logger's own (no call of ours in between: it runs
-                # each time a workspace is looked up).
-                enabled = log.isEnabledFor
+        log = logging.getLogger("rustws")
+        if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+            log.addHandler(logging.NullHandler())
+        _logger = log
+        # From now on the check is the logger's own (no call of ours in between: it runs each
+        # time a workspace is looked up).
+        enabled = log.isEnabledFor
     return _logger
 
 

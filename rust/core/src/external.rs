@@ -117,8 +117,13 @@ pub(crate) struct ExternalPeaks {
     /// Bytes of external blocks made fresh in the open cycle (for returning the block
     /// allocator's cache once an arena takes over).
     pub made: usize,
-    /// The least slot bytes live outside the arena so far in the open cycle, and the most they
-    /// rose above such a low: what the cycle had outside at once, whatever came and went before.
+    /// Slot bytes outside the arena when the open cycle began, and how many of them (blocks of
+    /// earlier cycles) it has freed since: the rest of what lives outside is the cycle's own.
+    at_open: usize,
+    freed_earlier: usize,
+    /// The least slot bytes of the cycle's own blocks outside the arena so far, and the most they
+    /// rose above such a low: what the cycle had outside at once, however often a temporary went
+    /// out and came back.
     low: usize,
     pub rise: usize,
 }
@@ -127,8 +132,20 @@ impl ExternalPeaks {
     /// A cycle opens with `live` slot bytes outside the arena.
     pub fn open_cycle(&mut self, live: usize) {
         self.open = live;
-        self.low = live;
+        self.at_open = live;
+        self.freed_earlier = 0;
+        self.low = 0;
         self.rise = 0;
+    }
+
+    /// A block of an earlier cycle outside the arena, of `slot` bytes, was freed.
+    pub fn free_earlier(&mut self, slot: usize) {
+        self.freed_earlier = self.freed_earlier.saturating_add(slot);
+    }
+
+    /// Of `live` slot bytes outside the arena, those of the open cycle's own blocks.
+    fn own(&self, live: usize) -> usize {
+        live.saturating_add(self.freed_earlier).saturating_sub(self.at_open)
     }
 
     /// A block went outside the arena: `before` slot bytes lived there just before it, `live`
@@ -136,8 +153,8 @@ impl ExternalPeaks {
     #[inline]
     pub fn note(&mut self, before: usize, live: usize) {
         self.open = self.open.max(live);
-        self.low = self.low.min(before);
-        self.rise = self.rise.max(live.saturating_sub(self.low));
+        self.low = self.low.min(self.own(before));
+        self.rise = self.rise.max(self.own(live) - self.low);
     }
 
     /// The open cycle, `generation`, ends.
@@ -538,16 +555,22 @@ mod tests {
         assert_eq!(peaks.cache_budget(60 * M), 40 * M, "what is live takes its share");
         assert_eq!(peaks.cache_budget(100 * M), SLACK, "at the peak: the slack");
         assert_eq!(peaks.slack(0), SLACK, "a quarter of a 100 MiB peak is more than the most");
-        // The rise: what the cycle had outside at once above what lived there before, counted
-        // from the lowest point so far (blocks of earlier cycles freed on the way down).
+        // The rise: what the cycle's own blocks had outside at once. 50 MiB of earlier blocks
+        // live outside as it opens; 30 MiB of them are freed, a 10 MiB block spilled, the other
+        // 20 MiB freed, a second 10 MiB block spilled: both spills live at once.
         let mut rise = ExternalPeaks::default();
         rise.open_cycle(50 * M);
+        rise.free_earlier(30 * M);
         rise.note(20 * M, 30 * M);
         assert_eq!(rise.rise, 10 * M);
-        rise.note(25 * M, 90 * M);
-        assert_eq!(rise.rise, 70 * M, "from the low of 20 MiB, not from the 50 the cycle opened with");
-        rise.note(60 * M, 65 * M);
-        assert_eq!(rise.rise, 70 * M, "a temporary spilled again counts once");
+        rise.free_earlier(20 * M);
+        rise.note(10 * M, 20 * M);
+        assert_eq!(rise.rise, 20 * M, "earlier blocks freed on the way do not hide a spill");
+        // The first spill freed and a third made: a temporary spilled again counts once.
+        rise.note(10 * M, 20 * M);
+        assert_eq!(rise.rise, 20 * M, "a temporary spilled again counts once");
+        rise.note(20 * M, 25 * M);
+        assert_eq!(rise.rise, 25 * M, "more at once: more");
         let mut small = ExternalPeaks::default();
         small.open_cycle(0);
         assert_eq!(small.slack(0), MIN_SLACK, "nothing held yet: the least");

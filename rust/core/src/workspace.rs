@@ -1256,6 +1256,7 @@ impl Workspace {
             (BlockKind::External, None) => {
                 if pinned {
                     self.accounts.unpin(size, slot);
+                    self.own.peaks.free_earlier(slot);
                 }
                 self.accounts.uncount_external(size, slot);
                 if self.route.caches && !self.cycles.destroyed {
