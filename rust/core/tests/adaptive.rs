@@ -432,8 +432,9 @@ fn results_kept_among_changing_sizes_are_put_apart_and_cost_no_spills() {
     // Kept results scattered through the arena cut its free runs, and temporaries spill around
     // them (every request of every cycle, before they were put apart). Once a cycle ends with
     // results of an earlier one still live in the region, their class is served outside the
-    // arena: the loop then spills no more than it does keeping nothing (where the arena follows a window of recent cycles, and a large batch after a run of
-    // small ones spills). Under Miri, on two backends: every cycle maps and walks megabytes.
+    // arena: the loop then spills no more than it does keeping nothing (where the arena follows
+    // a window of recent cycles, and a large batch after a run of small ones spills). Under Miri,
+    // on two backends: every cycle maps and walks megabytes.
     for (name, b) in backends().into_iter().take(miri_or(usize::MAX, 2)) {
         let (cycles, tail) = (miri_or(1500, 30), miri_or(500, 10));
         let (kept, w) = changing_sizes_keeping_results(&b, cycles, true);
