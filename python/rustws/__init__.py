@@ -8,7 +8,11 @@ references it.
 
 from __future__ import annotations
 
-from . import _rustws, cuda, cupy, memory, torch
+import importlib
+import os
+from typing import TYPE_CHECKING, Any
+
+from . import _rustws, cuda, cupy, torch
 from ._config import (
     AllocationPolicy,
     ArrayType,
@@ -36,8 +40,6 @@ from ._errors import (
     WorkspaceError,
     WorkspaceOutOfMemory,
 )
-from ._layers import LayerWorkspaceMgr, LayerWorkspaceMgrBuilder
-from ._pipeline import AsyncPrefetch, AsyncShield, gc_window, set_auto_gc_window, toggle_periodic_gc
 from ._workspace import (
     Workspace,
     current_workspace,
@@ -53,6 +55,47 @@ from ._workspace import (
     workspaces,
 )
 from .cuda import DeviceArray, DeviceWorkspace
+
+if TYPE_CHECKING:
+    from . import memory
+    from ._layers import LayerWorkspaceMgr, LayerWorkspaceMgrBuilder
+    from ._pipeline import AsyncPrefetch, AsyncShield, gc_window, set_auto_gc_window, toggle_periodic_gc
+
+# Parts a loop that only captures never uses are imported when first named (PEP 562): each
+# costs the import's memory and time in every process otherwise (``memory`` reads the
+# interpreter's configuration for its stack filter; the pipeline imports ``queue``).
+_LAZY = {
+    "memory": "",
+    "AsyncPrefetch": "._pipeline",
+    "AsyncShield": "._pipeline",
+    "gc_window": "._pipeline",
+    "set_auto_gc_window": "._pipeline",
+    "toggle_periodic_gc": "._pipeline",
+    "LayerWorkspaceMgr": "._layers",
+    "LayerWorkspaceMgrBuilder": "._layers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module:
+        value = getattr(importlib.import_module(module, __name__), name)
+    else:
+        value = importlib.import_module(f".{name}", __name__)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if os.environ.get("RUSTWS_OOM_SNAPSHOT"):
+    # Read by ``memory`` as it is imported: the snapshot is set up before any workspace refuses.
+    from . import memory
+
 
 __version__: str = _rustws.__version__
 

@@ -57,6 +57,50 @@ def test_logging_is_imported_only_by_programs_that_use_it():
     assert "QUIET" not in proc.stderr, proc.stderr
 
 
+LAZY_PARTS = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import rustws
+
+    lazy = ("rustws.memory", "rustws._pipeline", "rustws._layers", "queue", "sysconfig")
+    with rustws.workspace("PLAIN"):
+        np.tanh(np.ones(4096))
+    assert not [m for m in lazy if m in sys.modules], [m for m in lazy if m in sys.modules]
+    assert {"memory", "AsyncPrefetch", "LayerWorkspaceMgr", "gc_window"} <= set(dir(rustws))
+    from rustws import gc_window
+
+    assert gc_window.__module__ == "rustws._pipeline" and "rustws.memory" not in sys.modules
+    assert rustws.memory.recommend and rustws.LayerWorkspaceMgr.__name__ == "LayerWorkspaceMgr"
+    assert rustws.memory is sys.modules["rustws.memory"]
+    try:
+        rustws.no_such_name
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("an unknown name was found")
+    namespace = {}
+    exec("from rustws import *", namespace)
+    assert set(rustws.__all__) <= set(namespace)
+    """
+)
+
+
+def test_parts_a_capturing_loop_never_uses_are_imported_when_first_named():
+    """``import rustws`` leaves out the memory tools, the pipeline and the layer manager (and the
+    standard modules they need) until a program names them; every public name still resolves."""
+    proc = subprocess.run([sys.executable, "-c", LAZY_PARTS], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    # An environment that asks for a snapshot at each refusal gets it set up at import.
+    env = dict(os.environ, RUSTWS_OOM_SNAPSHOT="/nonexistent/snap.pickle")
+    check = (
+        "import sys, rustws; from rustws import _rustws; "
+        "print('rustws.memory' in sys.modules, _rustws.recording_stacks())"
+    )
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env)
+    assert proc.stdout.split() == ["True", "True"], proc.stderr
+
+
 def _cycles(ws_name: str, sizes: list[int]) -> None:
     for n in sizes:
         with rustws.workspace(ws_name):
