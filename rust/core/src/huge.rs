@@ -1,7 +1,10 @@
 //! Huge blocks: requests far larger than a cycle's usual footprint get a lazily faulted mapping of
 //! their own rather than sizing the arena after them (a 3.6 GB `np.empty` of which one corner is
 //! used costs that corner). Freed mappings are kept for reuse while requests of a fitting size
-//! recur, and released when they stop.
+//! recur from cycle to cycle, and released when they stop. A size not yet seen in two cycles
+//! goes back to the system as it is freed, as NumPy's own would: kept, its pages would stay
+//! resident beside whatever the rest of a long cycle touches next (a cycle that frees two
+//! 128 MiB blocks and then fills a lazily faulted 256 MiB one would peak 256 MiB above NumPy).
 
 use std::ptr::NonNull;
 
@@ -18,6 +21,9 @@ const CACHED_MAPPINGS: usize = 8;
 /// A cached mapping unused for this many cycles is released.
 const CACHE_CYCLES: u64 = 2;
 
+/// Sizes of huge mappings in use lately that the cache remembers.
+const SEEN: usize = 8;
+
 /// A freed huge mapping kept for reuse.
 #[derive(Debug, Clone, Copy)]
 struct CachedMapping {
@@ -27,15 +33,67 @@ struct CachedMapping {
     used: u64,
 }
 
+/// A size of huge mapping in use lately: the first and the last generation of a run of cycles,
+/// each at most [`CACHE_CYCLES`] after the one before, that used a mapping of about this length.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    len: usize,
+    first: u64,
+    last: u64,
+}
+
+/// Whether mappings of `a` and `b` bytes serve the same requests: a quarter apart at most.
+fn alike(a: usize, b: usize) -> bool {
+    a.abs_diff(b) <= a.min(b) / 4
+}
+
 /// The freed huge mappings of a workspace, and the length of the live ones.
 #[derive(Debug, Default)]
 pub(crate) struct HugeCache {
     cached: Vec<CachedMapping>,
     /// Total length of the live huge mappings.
     pub live_len: usize,
+    /// The sizes in use lately (`len == 0`: an empty slot).
+    seen: [Seen; SEEN],
 }
 
 impl HugeCache {
+    /// A mapping of `len` bytes is put to use in generation `generation`.
+    pub fn note_use(&mut self, len: usize, generation: u64) {
+        if let Some(s) = self.seen.iter_mut().find(|s| s.len != 0 && alike(s.len, len)) {
+            if s.last + CACHE_CYCLES < generation {
+                // A run that had stopped: this one starts anew.
+                s.first = generation;
+            }
+            s.last = generation;
+            return;
+        }
+        let slot = self.seen.iter_mut().min_by_key(|s| if s.len == 0 { 0 } else { s.last + 1 }).expect("SEEN > 0");
+        *slot = Seen { len, first: generation, last: generation };
+    }
+
+    /// Whether mappings of `len` bytes recur from cycle to cycle up to generation `generation`.
+    fn recurs(&self, len: usize, generation: u64) -> bool {
+        self.seen
+            .iter()
+            .any(|s| s.len != 0 && alike(s.len, len) && s.first < s.last && generation <= s.last + CACHE_CYCLES)
+    }
+
+    /// A freed mapping: kept for reuse where its size recurs from cycle to cycle, else released
+    /// now.
+    ///
+    /// # Safety
+    /// As for [`HugeCache::put`].
+    pub unsafe fn put_or_release(&mut self, backend: &dyn Backend, at: NonNull<u8>, len: usize, generation: u64) {
+        if self.recurs(len, generation) {
+            // SAFETY: forwarded.
+            unsafe { self.put(backend, at, len, generation) };
+        } else {
+            // SAFETY: the caller gives the mapping up.
+            unsafe { backend.unmap(at, len) };
+        }
+    }
+
     /// A cached mapping for a request of `len` bytes (at most a quarter larger), taken out of
     /// the cache: the smallest that fits.
     pub fn take(&mut self, len: usize) -> Option<(NonNull<u8>, usize)> {
@@ -128,6 +186,35 @@ mod tests {
         unsafe { c.put(&HeapMemory, at, 8192, 0) };
         c.release_all(&HeapMemory);
         assert_eq!(c.cached(), (0, 0));
+    }
+
+    #[test]
+    fn a_freed_mapping_is_kept_only_where_its_size_recurs_from_cycle_to_cycle() {
+        let mut c = HugeCache::default();
+        let put = |c: &mut HugeCache, len: usize, g: u64| {
+            c.note_use(len, g);
+            // SAFETY: a fresh mapping that nothing uses.
+            unsafe { c.put_or_release(&HeapMemory, mapping(len), len, g) };
+        };
+        put(&mut c, 8192, 0);
+        put(&mut c, 8192, 0);
+        assert_eq!(c.cached(), (0, 0), "a size used in one cycle only goes back as it is freed");
+        put(&mut c, 9000, 1);
+        assert_eq!(c.cached(), (1, 9000), "used again in the next cycle (a quarter apart at most): kept");
+        put(&mut c, 20_000, 1);
+        assert_eq!(c.cached(), (1, 9000), "another size, once: released");
+        c.release_all(&HeapMemory);
+        put(&mut c, 8192, 1 + CACHE_CYCLES + 1);
+        assert_eq!(c.cached(), (0, 0), "a run that stopped starts anew");
+        put(&mut c, 8192, 1 + CACHE_CYCLES + 2);
+        assert_eq!(c.cached(), (1, 8192));
+        c.release_all(&HeapMemory);
+        let mut c = HugeCache::default();
+        for i in 0..=SEEN {
+            c.note_use(65_536 << i, i as u64);
+        }
+        assert!(!c.seen.iter().any(|s| s.len == 65_536), "the least recently used size is forgotten");
+        assert!(c.seen.iter().any(|s| s.len == 65_536 << SEEN));
     }
 
     #[test]

@@ -1072,6 +1072,7 @@ impl Workspace {
                 (at, len)
             }
         };
+        self.huge.note_use(len, self.cycles.completed);
         // SAFETY: `at` is a fresh or reclaimed mapping of `len >= HEADER` bytes, page-aligned,
         // owned by us; huge blocks exist only where headers sit in front of their blocks.
         let p = unsafe { write_live_header(at, BlockKind::Huge, self.token, 0, len, req.size, self.cycles.epoch) };
@@ -1250,7 +1251,7 @@ impl Workspace {
                     unsafe { self.limit.unmap(at, slot) };
                 } else {
                     // SAFETY: as above.
-                    unsafe { self.huge.put(&*self.limit, at, slot, self.cycles.completed) };
+                    unsafe { self.huge.put_or_release(&*self.limit, at, slot, self.cycles.completed) };
                 }
             }
             (BlockKind::External, None) => {

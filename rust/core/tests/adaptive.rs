@@ -492,22 +492,29 @@ fn a_freed_block_is_reused_before_untouched_memory() {
 fn huge_mappings_are_reused_while_their_size_recurs_and_released_when_it_stops() {
     let mut w = Workspace::new("HUGE", WorkspaceConfiguration::adaptive()).unwrap();
     let huge = HUGE_BLOCK_MIN;
-    let mut first = None;
-    for _ in 0..3 {
+    let mut last = None;
+    for cycle in 0..3 {
         w.enter().unwrap();
         let (a, b) = (w.alloc(huge).unwrap(), w.alloc(huge).unwrap());
-        first.get_or_insert(a);
+        last = Some(a);
         // SAFETY: live, freed once.
         unsafe {
             w.free(a);
             w.free(b);
         }
+        if cycle == 0 {
+            // A size seen in one cycle only goes back as it is freed, as NumPy's would: kept, it
+            // would stay resident beside what the rest of a long cycle touches.
+            assert_eq!(w.huge_cached(), (0, 0), "released as freed: the size has not recurred yet");
+        }
         w.exit().unwrap();
-        assert_eq!(w.huge_cached().0, 2, "both mappings kept for the next cycle");
+        if cycle > 0 {
+            assert_eq!(w.huge_cached().0, 2, "both mappings kept for the next cycle");
+        }
     }
     w.enter().unwrap();
     let again = w.alloc(huge).unwrap();
-    assert!(Some(again) == first || w.huge_cached().0 == 1, "a cached mapping is reused");
+    assert!(Some(again) == last || w.huge_cached().0 == 1, "a cached mapping is reused");
     // A huge request of another size: what is cached does not recur and goes back first.
     let other = w.alloc(2 * huge).unwrap();
     assert_eq!(w.huge_cached(), (0, 0));
@@ -517,7 +524,7 @@ fn huge_mappings_are_reused_while_their_size_recurs_and_released_when_it_stops()
         w.free(again);
     }
     w.exit().unwrap();
-    assert_eq!(w.huge_cached().0, 2);
+    assert_eq!(w.huge_cached().0, 1, "the size that recurs is kept, the one seen once released");
     // Cycles without huge requests release them.
     for _ in 0..3 {
         body(&mut w, 3, 64 * KIB);

@@ -82,10 +82,16 @@ fn reads_a_cached_external_block() {
 #[ignore = "run in a child process by reading_a_cached_huge_mapping_is_reported, which expects it to fail"]
 fn reads_a_cached_huge_mapping() {
     let mut w = Workspace::with_backend("P", WorkspaceConfiguration::adaptive(), Arc::new(AnonymousMemory)).unwrap();
+    // Kept once its size recurs from cycle to cycle.
+    let mut p = NonNull::dangling();
+    for _ in 0..2 {
+        w.enter().unwrap();
+        p = w.alloc(HUGE_BLOCK_MIN).unwrap();
+        // SAFETY: live, freed once.
+        unsafe { w.free(p) };
+        w.exit().unwrap();
+    }
     w.enter().unwrap();
-    let p = w.alloc(HUGE_BLOCK_MIN).unwrap();
-    // SAFETY: live, freed once.
-    unsafe { w.free(p) };
     assert_eq!(w.huge_cached().0, 1);
     eprintln!("read {}", read(NonNull::new(p.as_ptr().wrapping_add(4096)).unwrap()));
 }
