@@ -8,9 +8,9 @@ references it.
 
 from __future__ import annotations
 
-import importlib
-import os
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import os as _os
+from typing import TYPE_CHECKING
 
 from . import _rustws, cuda, cupy, torch
 from ._config import (
@@ -76,23 +76,25 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if module:
-        value = getattr(importlib.import_module(module, __name__), name)
-    else:
-        value = importlib.import_module(f".{name}", __name__)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # checkers see the imports above, and flag a misspelt name
+
+    def __getattr__(name: str) -> object:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        if module:
+            value = getattr(_importlib.import_module(module, __name__), name)
+        else:
+            value = _importlib.import_module(f".{name}", __name__)
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-if os.environ.get("RUSTWS_OOM_SNAPSHOT"):
+if _os.environ.get("RUSTWS_OOM_SNAPSHOT"):
     # Read by ``memory`` as it is imported: the snapshot is set up before any workspace refuses.
     from . import memory
 

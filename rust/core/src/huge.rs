@@ -1,10 +1,11 @@
 //! Huge blocks: requests far larger than a cycle's usual footprint get a lazily faulted mapping of
 //! their own rather than sizing the arena after them (a 3.6 GB `np.empty` of which one corner is
 //! used costs that corner). Freed mappings are kept for reuse while requests of a fitting size
-//! recur from cycle to cycle, and released when they stop. A size not yet seen in two cycles
-//! goes back to the system as it is freed, as NumPy's own would: kept, its pages would stay
-//! resident beside whatever the rest of a long cycle touches next (a cycle that frees two
-//! 128 MiB blocks and then fills a lazily faulted 256 MiB one would peak 256 MiB above NumPy).
+//! recur from one pass of a loop to the next (a cycle, or a nested level inside one), and
+//! released when they stop. A size not yet used in two passes in a row goes back to the system
+//! as it is freed, as NumPy's own would: kept, its pages would stay resident beside whatever the
+//! rest of a long cycle touches next (a cycle that frees two 128 MiB blocks and then fills a
+//! lazily faulted 256 MiB one would peak 256 MiB above NumPy).
 
 use std::ptr::NonNull;
 
@@ -33,8 +34,8 @@ struct CachedMapping {
     used: u64,
 }
 
-/// A size of huge mapping in use lately: the first and the last generation of a run of cycles,
-/// each at most [`CACHE_CYCLES`] after the one before, that used a mapping of about this length.
+/// A size of huge mapping in use lately: the first and the last pass of a run of passes in a
+/// row that used a mapping of about this length (the last one's).
 #[derive(Debug, Default, Clone, Copy)]
 struct Seen {
     len: usize,
@@ -55,37 +56,48 @@ pub(crate) struct HugeCache {
     pub live_len: usize,
     /// The sizes in use lately (`len == 0`: an empty slot).
     seen: [Seen; SEEN],
+    /// Passes ended so far: cycles, and nested levels left inside them.
+    passes: u64,
 }
 
 impl HugeCache {
-    /// A mapping of `len` bytes is put to use in generation `generation`.
-    pub fn note_use(&mut self, len: usize, generation: u64) {
-        if let Some(s) = self.seen.iter_mut().find(|s| s.len != 0 && alike(s.len, len)) {
-            if s.last + CACHE_CYCLES < generation {
+    /// A pass of the loop ended: a cycle, or a nested level inside one (a loop of `with ws:`
+    /// inside an outer one).
+    pub fn end_pass(&mut self) {
+        self.passes += 1;
+    }
+
+    /// A mapping of `len` bytes is put to use in the current pass.
+    pub fn note_use(&mut self, len: usize) {
+        let pass = self.passes;
+        let closest =
+            self.seen.iter_mut().filter(|s| s.len != 0 && alike(s.len, len)).min_by_key(|s| s.len.abs_diff(len));
+        if let Some(s) = closest {
+            if s.last + 1 < pass {
                 // A run that had stopped: this one starts anew.
-                s.first = generation;
+                s.first = pass;
             }
-            s.last = generation;
+            s.last = pass;
+            s.len = len;
             return;
         }
         let slot = self.seen.iter_mut().min_by_key(|s| if s.len == 0 { 0 } else { s.last + 1 }).expect("SEEN > 0");
-        *slot = Seen { len, first: generation, last: generation };
+        *slot = Seen { len, first: pass, last: pass };
     }
 
-    /// Whether mappings of `len` bytes recur from cycle to cycle up to generation `generation`.
-    fn recurs(&self, len: usize, generation: u64) -> bool {
-        self.seen
-            .iter()
-            .any(|s| s.len != 0 && alike(s.len, len) && s.first < s.last && generation <= s.last + CACHE_CYCLES)
+    /// Whether mappings of `len` bytes were used in two passes in a row, the last of them this
+    /// one or the one before.
+    fn recurs(&self, len: usize) -> bool {
+        self.seen.iter().any(|s| s.len != 0 && alike(s.len, len) && s.first < s.last && self.passes <= s.last + 1)
     }
 
-    /// A freed mapping: kept for reuse where its size recurs from cycle to cycle, else released
-    /// now.
+    /// A freed mapping: kept for reuse where its size recurs from pass to pass, else released
+    /// now. `generation`: the cycle, for [`HugeCache::release_stale`].
     ///
     /// # Safety
     /// As for [`HugeCache::put`].
     pub unsafe fn put_or_release(&mut self, backend: &dyn Backend, at: NonNull<u8>, len: usize, generation: u64) {
-        if self.recurs(len, generation) {
+        if self.recurs(len) {
             // SAFETY: forwarded.
             unsafe { self.put(backend, at, len, generation) };
         } else {
@@ -191,27 +203,32 @@ mod tests {
     #[test]
     fn a_freed_mapping_is_kept_only_where_its_size_recurs_from_cycle_to_cycle() {
         let mut c = HugeCache::default();
-        let put = |c: &mut HugeCache, len: usize, g: u64| {
-            c.note_use(len, g);
+        let put = |c: &mut HugeCache, len: usize| {
+            c.note_use(len);
             // SAFETY: a fresh mapping that nothing uses.
-            unsafe { c.put_or_release(&HeapMemory, mapping(len), len, g) };
+            unsafe { c.put_or_release(&HeapMemory, mapping(len), len, c.passes) };
         };
-        put(&mut c, 8192, 0);
-        put(&mut c, 8192, 0);
-        assert_eq!(c.cached(), (0, 0), "a size used in one cycle only goes back as it is freed");
-        put(&mut c, 9000, 1);
-        assert_eq!(c.cached(), (1, 9000), "used again in the next cycle (a quarter apart at most): kept");
-        put(&mut c, 20_000, 1);
+        put(&mut c, 8192);
+        put(&mut c, 8192);
+        assert_eq!(c.cached(), (0, 0), "a size used in one pass only goes back as it is freed");
+        c.end_pass();
+        put(&mut c, 9000);
+        assert_eq!(c.cached(), (1, 9000), "used again in the next pass (a quarter apart at most): kept");
+        put(&mut c, 20_000);
         assert_eq!(c.cached(), (1, 9000), "another size, once: released");
         c.release_all(&HeapMemory);
-        put(&mut c, 8192, 1 + CACHE_CYCLES + 1);
-        assert_eq!(c.cached(), (0, 0), "a run that stopped starts anew");
-        put(&mut c, 8192, 1 + CACHE_CYCLES + 2);
-        assert_eq!(c.cached(), (1, 8192));
+        c.end_pass();
+        c.end_pass();
+        put(&mut c, 9000);
+        assert_eq!(c.cached(), (0, 0), "every other pass is no run: it starts anew");
+        c.end_pass();
+        put(&mut c, 8192);
+        assert_eq!(c.cached(), (1, 8192), "the closest size followed the sizes used");
         c.release_all(&HeapMemory);
         let mut c = HugeCache::default();
         for i in 0..=SEEN {
-            c.note_use(65_536 << i, i as u64);
+            c.note_use(65_536 << i);
+            c.end_pass();
         }
         assert!(!c.seen.iter().any(|s| s.len == 65_536), "the least recently used size is forgotten");
         assert!(c.seen.iter().any(|s| s.len == 65_536 << SEEN));

@@ -685,6 +685,7 @@ impl Workspace {
             return Err(Error::not_open(&self.name, "exit"));
         }
         self.cycles.nesting -= 1;
+        self.huge.end_pass();
         Ok(())
     }
 
@@ -756,6 +757,7 @@ impl Workspace {
                 self.limit.upstream().trim();
             }
         }
+        self.huge.end_pass();
         self.huge.release_stale(&*self.limit, self.cycles.completed);
         self.settle_external_cache();
         self.cycles.spilled = 0;
@@ -1072,7 +1074,7 @@ impl Workspace {
                 (at, len)
             }
         };
-        self.huge.note_use(len, self.cycles.completed);
+        self.huge.note_use(len);
         // SAFETY: `at` is a fresh or reclaimed mapping of `len >= HEADER` bytes, page-aligned,
         // owned by us; huge blocks exist only where headers sit in front of their blocks.
         let p = unsafe { write_live_header(at, BlockKind::Huge, self.token, 0, len, req.size, self.cycles.epoch) };

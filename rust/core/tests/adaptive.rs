@@ -533,6 +533,40 @@ fn huge_mappings_are_reused_while_their_size_recurs_and_released_when_it_stops()
     assert_eq!(w.stats().external_bytes, 0);
 }
 
+#[test]
+fn huge_mappings_recur_across_nested_levels_and_not_every_other_cycle() {
+    let mut w = Workspace::new("HUGE", WorkspaceConfiguration::adaptive()).unwrap();
+    let huge = HUGE_BLOCK_MIN;
+    // A loop of `with ws:` inside an outer one: each level left is a pass of the loop.
+    w.enter().unwrap();
+    let mut cached = Vec::new();
+    for _ in 0..4 {
+        w.enter().unwrap(); // nests
+        let p = w.alloc(huge).unwrap();
+        // SAFETY: live, freed once.
+        unsafe { w.free(p) };
+        cached.push(w.huge_cached().0);
+        w.exit().unwrap();
+    }
+    w.exit().unwrap();
+    assert_eq!(cached, [0, 1, 1, 1], "kept from the second pass on, and reused");
+    for _ in 0..3 {
+        body(&mut w, 3, 64 * KIB); // the cache lets go of what these cycles do not use
+    }
+    assert_eq!(w.huge_cached(), (0, 0));
+    // A size used every other cycle would be released unused after the idle cycle: never kept.
+    for cycle in 0..6 {
+        w.enter().unwrap();
+        if cycle % 2 == 0 {
+            let p = w.alloc(huge).unwrap();
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+            assert_eq!(w.huge_cached(), (0, 0), "cycle {cycle}: released as freed");
+        }
+        w.exit().unwrap();
+    }
+}
+
 mod long_cycles {
     use super::*;
     use common::program::{Op, Program};
