@@ -32,6 +32,8 @@ struct CachedMapping {
     len: usize,
     /// The generation of its last use.
     used: u64,
+    /// When it was freed, in the order of frees (the latest is the warmest).
+    freed: u64,
 }
 
 /// A size of huge mapping in use lately: the first and the last pass of a run of passes in a
@@ -58,6 +60,8 @@ pub(crate) struct HugeCache {
     seen: [Seen; SEEN],
     /// Passes ended so far: cycles, and nested levels left inside them.
     passes: u64,
+    /// Mappings put in the cache so far.
+    puts: u64,
 }
 
 impl HugeCache {
@@ -107,10 +111,15 @@ impl HugeCache {
     }
 
     /// A cached mapping for a request of `len` bytes (at most a quarter larger), taken out of
-    /// the cache: the smallest that fits.
+    /// the cache: the smallest that fits, and of those the last freed. Its pages are the likeliest
+    /// to be resident still: a zeroed request reused a mapping by dropping its pages, and a
+    /// loop's result written last was freed last (taking an emptier one would fault in a second
+    /// copy beside it).
     pub fn take(&mut self, len: usize) -> Option<(NonNull<u8>, usize)> {
         let fits = |m: &CachedMapping| m.len >= len && m.len - len <= len / 4;
-        let i = (0..self.cached.len()).filter(|&i| fits(&self.cached[i])).min_by_key(|&i| self.cached[i].len)?;
+        let i = (0..self.cached.len())
+            .filter(|&i| fits(&self.cached[i]))
+            .min_by_key(|&i| (self.cached[i].len, std::cmp::Reverse(self.cached[i].freed)))?;
         let m = self.cached.swap_remove(i);
         unpoison(m.at.as_ptr(), m.len);
         Some((m.at, m.len))
@@ -132,7 +141,8 @@ impl HugeCache {
         if self.cached.try_reserve(1).is_ok() {
             // The header stays readable (frees look at it); the data is no one's.
             poison(at.as_ptr().wrapping_add(HEADER), len - HEADER);
-            self.cached.push(CachedMapping { at, len, used: generation });
+            self.puts += 1;
+            self.cached.push(CachedMapping { at, len, used: generation, freed: self.puts });
         } else {
             // SAFETY: the caller gives the mapping up.
             unsafe { backend.unmap(at, len) };
@@ -232,6 +242,28 @@ mod tests {
         }
         assert!(!c.seen.iter().any(|s| s.len == 65_536), "the least recently used size is forgotten");
         assert!(c.seen.iter().any(|s| s.len == 65_536 << SEEN));
+    }
+
+    #[test]
+    fn of_mappings_of_one_size_the_last_freed_is_taken_first() {
+        let mut c = HugeCache::default();
+        let (first, last) = (mapping(8192), mapping(8192));
+        // SAFETY: fresh mappings that nothing uses.
+        unsafe {
+            c.put(&HeapMemory, first, 8192, 0);
+            c.put(&HeapMemory, last, 8192, 0);
+        }
+        assert_eq!(c.take(8000), Some((last, 8192)), "the warmest");
+        // SAFETY: taken back out of the cache: ours to give up again, after `first`.
+        unsafe { c.put(&HeapMemory, last, 8192, 0) };
+        let other = c.take(8000).map(|(at, _)| at);
+        assert_eq!(other, Some(last));
+        assert_eq!(c.take(8000), Some((first, 8192)));
+        // SAFETY: taken out of the cache: ours to give up.
+        unsafe {
+            HeapMemory.unmap(first, 8192);
+            HeapMemory.unmap(last, 8192);
+        }
     }
 
     #[test]
