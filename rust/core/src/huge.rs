@@ -36,13 +36,41 @@ struct CachedMapping {
     freed: u64,
 }
 
-/// A size of huge mapping in use lately: the first and the last pass of a run of passes in a
-/// row that used a mapping of about this length (the last one's).
+/// The first and the last of a run of passes (or cycles) in a row.
+#[derive(Debug, Default, Clone, Copy)]
+struct Run {
+    first: u64,
+    last: u64,
+}
+
+impl Run {
+    fn starting(at: u64) -> Self {
+        Run { first: at, last: at }
+    }
+
+    /// A use at `at`: the run goes on, or starts anew after a gap.
+    fn note(&mut self, at: u64) {
+        if self.last + 1 < at {
+            self.first = at;
+        }
+        self.last = at;
+    }
+
+    /// Whether the run spans two in a row, the last of them `now` or the one before.
+    fn recurs(&self, now: u64) -> bool {
+        self.first < self.last && now <= self.last + 1
+    }
+}
+
+/// A size of huge mapping in use lately (the last one's length), with the runs of passes and of
+/// cycles that used a mapping of about this length. Either run counts: a loop of nested levels
+/// inside one cycle recurs by passes, a loop whose cycles hold nested levels of their own (each
+/// ending a pass) by cycles.
 #[derive(Debug, Default, Clone, Copy)]
 struct Seen {
     len: usize,
-    first: u64,
-    last: u64,
+    passes: Run,
+    cycles: Run,
 }
 
 /// Whether mappings of `a` and `b` bytes serve the same requests: a quarter apart at most.
@@ -71,28 +99,28 @@ impl HugeCache {
         self.passes += 1;
     }
 
-    /// A mapping of `len` bytes is put to use in the current pass.
-    pub fn note_use(&mut self, len: usize) {
+    /// A mapping of `len` bytes is put to use in the current pass, in cycle `generation`.
+    pub fn note_use(&mut self, len: usize, generation: u64) {
         let pass = self.passes;
         let closest =
             self.seen.iter_mut().filter(|s| s.len != 0 && alike(s.len, len)).min_by_key(|s| s.len.abs_diff(len));
         if let Some(s) = closest {
-            if s.last + 1 < pass {
-                // A run that had stopped: this one starts anew.
-                s.first = pass;
-            }
-            s.last = pass;
+            s.passes.note(pass);
+            s.cycles.note(generation);
             s.len = len;
             return;
         }
-        let slot = self.seen.iter_mut().min_by_key(|s| if s.len == 0 { 0 } else { s.last + 1 }).expect("SEEN > 0");
-        *slot = Seen { len, first: pass, last: pass };
+        let slot =
+            self.seen.iter_mut().min_by_key(|s| if s.len == 0 { 0 } else { s.passes.last + 1 }).expect("SEEN > 0");
+        *slot = Seen { len, passes: Run::starting(pass), cycles: Run::starting(generation) };
     }
 
-    /// Whether mappings of `len` bytes were used in two passes in a row, the last of them this
-    /// one or the one before.
-    fn recurs(&self, len: usize) -> bool {
-        self.seen.iter().any(|s| s.len != 0 && alike(s.len, len) && s.first < s.last && self.passes <= s.last + 1)
+    /// Whether mappings of `len` bytes were used in two passes or two cycles in a row, the last
+    /// of them the current one or the one before.
+    fn recurs(&self, len: usize, generation: u64) -> bool {
+        self.seen
+            .iter()
+            .any(|s| s.len != 0 && alike(s.len, len) && (s.passes.recurs(self.passes) || s.cycles.recurs(generation)))
     }
 
     /// A freed mapping: kept for reuse where its size recurs from pass to pass, else released
@@ -101,7 +129,7 @@ impl HugeCache {
     /// # Safety
     /// As for [`HugeCache::put`].
     pub unsafe fn put_or_release(&mut self, backend: &dyn Backend, at: NonNull<u8>, len: usize, generation: u64) {
-        if self.recurs(len) {
+        if self.recurs(len, generation) {
             // SAFETY: forwarded.
             unsafe { self.put(backend, at, len, generation) };
         } else {
@@ -111,15 +139,12 @@ impl HugeCache {
     }
 
     /// A cached mapping for a request of `len` bytes (at most a quarter larger), taken out of
-    /// the cache: the smallest that fits, and of those the last freed. Its pages are the likeliest
-    /// to be resident still: a zeroed request reused a mapping by dropping its pages, and a
-    /// loop's result written last was freed last (taking an emptier one would fault in a second
-    /// copy beside it).
+    /// the cache: of those that fit, the last freed. Its pages are the likeliest to be resident
+    /// still: a zeroed request reused a mapping by dropping its pages, and a loop's result written
+    /// last was freed last (taking an emptier one would fault in a second copy beside it).
     pub fn take(&mut self, len: usize) -> Option<(NonNull<u8>, usize)> {
         let fits = |m: &CachedMapping| m.len >= len && m.len - len <= len / 4;
-        let i = (0..self.cached.len())
-            .filter(|&i| fits(&self.cached[i]))
-            .min_by_key(|&i| (self.cached[i].len, std::cmp::Reverse(self.cached[i].freed)))?;
+        let i = (0..self.cached.len()).filter(|&i| fits(&self.cached[i])).max_by_key(|&i| self.cached[i].freed)?;
         let m = self.cached.swap_remove(i);
         unpoison(m.at.as_ptr(), m.len);
         Some((m.at, m.len))
@@ -131,7 +156,8 @@ impl HugeCache {
     /// `at` and `len` describe a mapping of `backend` that nothing uses any more.
     pub unsafe fn put(&mut self, backend: &dyn Backend, at: NonNull<u8>, len: usize, generation: u64) {
         if self.cached.len() >= CACHED_MAPPINGS {
-            let oldest = (0..self.cached.len()).min_by_key(|&i| self.cached[i].used).expect("not empty");
+            let oldest =
+                (0..self.cached.len()).min_by_key(|&i| (self.cached[i].used, self.cached[i].freed)).expect("not empty");
             let m = self.cached.swap_remove(oldest);
             unpoison(m.at.as_ptr(), m.len);
             // SAFETY: a cached mapping is owned by the cache alone.
@@ -213,10 +239,11 @@ mod tests {
     #[test]
     fn a_freed_mapping_is_kept_only_where_its_size_recurs_from_cycle_to_cycle() {
         let mut c = HugeCache::default();
+        // Passes without cycles: levels left inside one cycle (generation 0).
         let put = |c: &mut HugeCache, len: usize| {
-            c.note_use(len);
+            c.note_use(len, 0);
             // SAFETY: a fresh mapping that nothing uses.
-            unsafe { c.put_or_release(&HeapMemory, mapping(len), len, c.passes) };
+            unsafe { c.put_or_release(&HeapMemory, mapping(len), len, 0) };
         };
         put(&mut c, 8192);
         put(&mut c, 8192);
@@ -233,11 +260,39 @@ mod tests {
         assert_eq!(c.cached(), (0, 0), "every other pass is no run: it starts anew");
         c.end_pass();
         put(&mut c, 8192);
-        assert_eq!(c.cached(), (1, 8192), "the closest size followed the sizes used");
+        assert_eq!(c.cached(), (1, 8192));
+        c.release_all(&HeapMemory);
+        // Sizes that drift a little each pass stay one run (the size remembered follows them),
+        // and a use counts for the closest of two sizes it is alike to.
+        let mut c = HugeCache::default();
+        for len in [8192, 10_000, 12_500, 15_600] {
+            c.end_pass();
+            put(&mut c, len);
+        }
+        assert_eq!(c.cached(), (3, 10_000 + 12_500 + 15_600), "kept from the second pass on");
+        c.release_all(&HeapMemory);
+        let mut c = HugeCache::default();
+        c.note_use(8192, 0);
+        c.note_use(11_000, 0);
+        c.end_pass();
+        c.note_use(10_500, 0);
+        let s = |len: usize| c.seen.iter().find(|s| s.len == len).copied();
+        assert!(s(8192).is_some_and(|s| s.passes.last == 0), "not the closer one");
+        assert!(s(10_500).is_some_and(|s| s.passes.recurs(1)), "the closer one went on");
+        // A loop whose cycles each end passes of their own (nested levels) recurs by cycles.
+        let mut c = HugeCache::default();
+        for cycle in 0..3 {
+            c.end_pass(); // a nested level left
+            c.note_use(8192, cycle);
+            // SAFETY: a fresh mapping that nothing uses.
+            unsafe { c.put_or_release(&HeapMemory, mapping(8192), 8192, cycle) };
+            c.end_pass(); // the cycle's close
+        }
+        assert_eq!(c.cached().0, 2, "kept from the second cycle on");
         c.release_all(&HeapMemory);
         let mut c = HugeCache::default();
         for i in 0..=SEEN {
-            c.note_use(65_536 << i);
+            c.note_use(65_536 << i, 0);
             c.end_pass();
         }
         assert!(!c.seen.iter().any(|s| s.len == 65_536), "the least recently used size is forgotten");

@@ -1074,7 +1074,7 @@ impl Workspace {
                 (at, len)
             }
         };
-        self.huge.note_use(len);
+        self.huge.note_use(len, self.cycles.completed);
         // SAFETY: `at` is a fresh or reclaimed mapping of `len >= HEADER` bytes, page-aligned,
         // owned by us; huge blocks exist only where headers sit in front of their blocks.
         let p = unsafe { write_live_header(at, BlockKind::Huge, self.token, 0, len, req.size, self.cycles.epoch) };

@@ -496,8 +496,8 @@ fn huge_mappings_are_reused_while_their_size_recurs_and_released_when_it_stops()
     for cycle in 0..3 {
         w.enter().unwrap();
         let (a, b) = (w.alloc(huge).unwrap(), w.alloc(huge).unwrap());
-        last = Some(a);
-        // SAFETY: live, freed once.
+        last = Some(b); // freed last: the warmest
+                        // SAFETY: live, freed once.
         unsafe {
             w.free(a);
             w.free(b);
@@ -514,7 +514,8 @@ fn huge_mappings_are_reused_while_their_size_recurs_and_released_when_it_stops()
     }
     w.enter().unwrap();
     let again = w.alloc(huge).unwrap();
-    assert!(Some(again) == last || w.huge_cached().0 == 1, "a cached mapping is reused");
+    assert_eq!(Some(again), last, "the cached mapping freed last is reused");
+    assert_eq!(w.huge_cached().0, 1);
     // A huge request of another size: what is cached does not recur and goes back first.
     let other = w.alloc(2 * huge).unwrap();
     assert_eq!(w.huge_cached(), (0, 0));
@@ -539,17 +540,38 @@ fn huge_mappings_recur_across_nested_levels_and_not_every_other_cycle() {
     let huge = HUGE_BLOCK_MIN;
     // A loop of `with ws:` inside an outer one: each level left is a pass of the loop.
     w.enter().unwrap();
-    let mut cached = Vec::new();
+    let (mut cached, mut at) = (Vec::new(), Vec::new());
     for _ in 0..4 {
         w.enter().unwrap(); // nests
         let p = w.alloc(huge).unwrap();
+        at.push(p);
         // SAFETY: live, freed once.
         unsafe { w.free(p) };
         cached.push(w.huge_cached().0);
         w.exit().unwrap();
     }
     w.exit().unwrap();
-    assert_eq!(cached, [0, 1, 1, 1], "kept from the second pass on, and reused");
+    assert_eq!(cached, [0, 1, 1, 1], "kept from the second pass on");
+    assert!(at[2] == at[1] && at[3] == at[1], "and reused");
+    // Cycles that each hold a nested level of their own (two passes a cycle) recur by cycles.
+    body(&mut w, 3, 64 * KIB);
+    body(&mut w, 3, 64 * KIB);
+    body(&mut w, 3, 64 * KIB);
+    assert_eq!(w.huge_cached(), (0, 0));
+    let (mut cached, mut at) = (Vec::new(), Vec::new());
+    for _ in 0..4 {
+        w.enter().unwrap();
+        w.enter().unwrap(); // a helper's own `with ws:`
+        w.exit().unwrap();
+        let p = w.alloc(huge).unwrap();
+        at.push(p);
+        // SAFETY: live, freed once.
+        unsafe { w.free(p) };
+        cached.push(w.huge_cached().0);
+        w.exit().unwrap();
+    }
+    assert_eq!(cached, [0, 1, 1, 1], "kept from the second cycle on");
+    assert!(at[2] == at[1] && at[3] == at[1], "and reused");
     for _ in 0..3 {
         body(&mut w, 3, 64 * KIB); // the cache lets go of what these cycles do not use
     }
