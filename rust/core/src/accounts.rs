@@ -143,6 +143,10 @@ pub(crate) struct Accounts {
     /// Slot bytes of blocks of earlier cycles freed in the open cycle: state a loop replaces
     /// every cycle (`w = w - lr * g`), live beside the cycle's own blocks until replaced.
     pub unpinned_slot: usize,
+    /// What the open cycle's own accounts held as it opened (`own_live`): nothing where it opened
+    /// with none open (the close before pinned all), and where cycles overlap, the blocks that
+    /// the cycles still open had live when the last of them closed.
+    pub open_live: usize,
     /// Live blocks of the page-aligned classes, and how many of them are pinned: each may need a
     /// filler in front of it in the arena, which the cycle's need includes.
     pub large_live: usize,
@@ -245,15 +249,19 @@ impl Accounts {
     }
 
     /// What the open cycle needs: its own peak, and the state of earlier cycles it replaced.
-    /// Blocks kept on (results a loop collects) never count.
+    /// Blocks kept on (results a loop collects) never count: where cycles overlap and none
+    /// pins, what was live as the cycle opened and still is comes off (at most the lesser of
+    /// the two), or results kept by overlapping cycles would add up to a need for all of them.
     pub fn cycle_need(&self) -> usize {
-        self.own_peak.saturating_add(self.unpinned_slot)
+        let kept = self.open_live.min(self.own_live());
+        self.own_peak.saturating_sub(kept).saturating_add(self.unpinned_slot)
     }
 
     /// A cycle opens.
     pub fn open_cycle(&mut self) {
         self.cycle_peak = self.used + self.external;
         self.own_peak = self.own_live();
+        self.open_live = self.own_peak;
         self.unpinned_slot = 0;
     }
 

@@ -732,8 +732,10 @@ impl Workspace {
             kept_in_arena: self.cycles.kept_in_arena,
             // Blocks pinned in the region at an earlier cycle's end that still live (results kept
             // from cycle to cycle, not state that this cycle replaced).
-            pinned_in_arena: self.cycles.kept_here.1 > 0
-                && self.regions.current().map(ArenaRegion::id) == Some(self.cycles.kept_here.0),
+            pinned_in_arena: (self.cycles.kept_here.1 > 0
+                && self.regions.current().map(ArenaRegion::id) == Some(self.cycles.kept_here.0))
+                // Cycles overlapping never pin: blocks the region held as this one opened.
+                || (self.cycles.active > 0 && self.cycles.kept_in_arena),
         };
         let current = self.regions.current_capacity();
         let region_before = self.regions.current().map(ArenaRegion::id);
@@ -774,8 +776,11 @@ impl Workspace {
         };
         if self.cycles.active > 0 {
             // Other cycles are still open: nothing rewinds and nothing is pinned yet; the next
-            // close learns (and reports) from what happens from here on.
+            // close learns (and reports) from what happens from here on, with what the region
+            // holds now as held from earlier (a region that never rewinds fills with what
+            // overlapping cycles keep: spills past it are no reason to grow it).
             self.accounts.open_cycle();
+            self.cycles.kept_in_arena = self.regions.current().is_some_and(|r| r.live_blocks() > 0);
             self.own.peaks.open_cycle(self.accounts.external_slot);
             self.mark_cycle_start();
         } else {
