@@ -171,6 +171,59 @@ def test_a_generator_finalised_on_another_thread_closes_its_scope(produce, obser
     assert _rustws.get_handler() is _rustws.effective_handler()
 
 
+def test_a_level_nested_in_a_cycle_closed_on_another_thread_ends_with_it():
+    """Two generators paused inside `with ws:`: the second nests in the first one's cycle. The
+    first, finalised on another thread, closes its cycle there; the second's level ended with it,
+    so its exit only unwinds, and its next `with ws:` opens a cycle of its own."""
+    ws = rustws.workspace("GEN_NESTED", cfg())
+
+    def gen():
+        for _ in range(3):
+            with ws:
+                yield np.ones(BIG)
+
+    first, second = gen(), gen()
+    next(first)
+    next(second)
+    assert ws.depth == 2 and ws.stats().cycles == 0
+    t = threading.Thread(target=first.close)
+    t.start()
+    t.join()
+    assert not ws.is_open and ws.depth == 0 and ws.stats().cycles == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = next(second)  # the orphaned level unwinds; the next one opens a cycle
+        assert rustws.owner(a) is ws and ws.is_open and ws.depth == 1
+        assert allocate() == (ws, ws)
+        second.close()
+    assert not ws.is_open and ws.depth == 0 and ws.stats().cycles == 2
+    assert allocate() == (None, None), "the workspace kept capturing on its thread"
+
+
+def test_concurrent_tasks_keeping_results_do_not_grow_the_arena_for_them():
+    """Tasks interleaved on one workspace keep a cycle open at every moment, so nothing is ever
+    pinned: what they keep must still not count as what a cycle needs (it grew region after
+    region, to gigabytes of address space and twice the memory kept)."""
+    ws = rustws.workspace("TASKS_KEEP")  # the adaptive profile
+    kept = []
+
+    async def worker(t):
+        for k in range(100):
+            with ws:
+                x = np.full((100, 100), float(t * 100 + k))
+                await asyncio.sleep(0)
+                kept.append(x * 2)
+
+    async def main():
+        await asyncio.gather(*(worker(t) for t in range(8)))
+
+    asyncio.run(main())
+    s = ws.stats()
+    assert len(kept) == 800 and all(float(k.min()) == float(k.max()) for k in kept)
+    assert sorted(float(k[0, 0]) / 2 for k in kept) == [float(i) for i in range(800)]
+    assert s.capacity_bytes < 16 * MiB, f"{len(kept) * 80_000} bytes kept: {s}"
+
+
 def test_a_task_destroyed_while_pending_closes_its_cycle():
     """The coroutine's exit runs where the task is collected, outside the task: it is the exit of
     the frame that entered the scope, so it closes the scope, quietly (an unraisable error would

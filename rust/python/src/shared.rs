@@ -471,6 +471,26 @@ pub(crate) fn take_frozen(name: &str, requested: u64) -> Option<Vec<MemoryState>
     }
 }
 
+/// Marks the levels nested in the cycle that `scopes[at]` opened as ended with it and returns how
+/// many there were: the open scopes entered after it on its thread and in its task that nest
+/// (open no cycle), up to the next one there that opens a cycle. For a scope closed from
+/// elsewhere, whose own stack cannot be walked from here (see `scope::pop` for the same
+/// thread).
+pub(crate) fn orphan_nested_after(scopes: &[Arc<ScopeState>], at: usize) -> u32 {
+    let opener = &scopes[at];
+    let mut orphans = 0;
+    for s in scopes[at + 1..].iter().filter(|s| s.thread == opener.thread && s.task == opener.task) {
+        if s.opened_cycle() {
+            break;
+        }
+        if s.open.load(Ordering::Relaxed) && !s.is_orphaned() {
+            s.orphan();
+            orphans += 1;
+        }
+    }
+    orphans
+}
+
 /// Which of `scopes` (innermost last) the frame running this exit entered: the innermost one its
 /// very frame entered, else the innermost one a wrapper called from it entered (see
 /// [`ScopeState::entered_in`]). An exit from elsewhere is its owner's only so.

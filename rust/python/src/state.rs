@@ -283,13 +283,19 @@ impl CoreState {
                     Some(copy)
                 });
                 let open = open.ok_or_else(|| errors::no_memory(py))?;
-                let owned = crate::shared::entered_here(&open).map(|i| open[i].clone());
+                let owned = crate::shared::entered_here(&open);
                 let any_open = !open.is_empty();
                 let what = scope::describe(me);
                 match owned {
-                    Some(state) => {
+                    Some(at) => {
+                        let state = open[at].clone();
                         state.close();
-                        self.exit_level(py, me, &state, None, clean)
+                        // Levels nested in its cycle on its own thread end with the cycle, as
+                        // where it is unlinked there: their exits only unwind.
+                        let orphans =
+                            if state.opened_cycle() { crate::shared::orphan_nested_after(&open, at) } else { 0 };
+                        self.forget_scope(py, &state);
+                        self.end_level(py, me, &state, clean, orphans)
                     }
                     None if any_open => Err(errors::new(
                         py,
