@@ -166,6 +166,10 @@ struct Cycles {
     spilled: usize,
     /// Whether blocks of earlier cycles were in the arena when the open cycle began.
     kept_in_arena: bool,
+    /// Whether the last close mapped a new region: blocks outside the arena that earlier cycles
+    /// left live (state this cycle replaces) go back as they are freed, as the cached ones did
+    /// then, rather than staying cached beside the arena that now serves their sizes.
+    remapped: bool,
     /// The current region's id, and how many of the blocks pinned there at the last cycle end
     /// still live (results kept across cycles, once the cycle that replaces state has run).
     kept_here: (u64, usize),
@@ -696,11 +700,13 @@ impl Workspace {
         let pinned_slot = self.accounts.pinned_slot;
         if let Some(r) = self.regions.current_mut() {
             // Blocks of earlier cycles that a new region's need counted (state the loop replaces)
-            // still live outside it, in the region it replaced or outside the arena: their
-            // replacements take their room here, after them. Pre-faulting that room now would keep
-            // both copies resident at once; it faults in when first used instead.
+            // still live outside it, in the region it replaced or outside the arena. The need
+            // counts them twice: as they are until freed, and as their replacements, which the
+            // cycle carves here from the region's start. Pre-faulting either share now would keep
+            // both copies resident at once (as NumPy's allocator never does: each old copy goes as
+            // its replacement comes); that room faults in when first used instead.
             if r.live_blocks() == 0 {
-                want = want.saturating_sub(pinned_slot);
+                want = want.saturating_sub(pinned_slot.saturating_mul(2));
             }
             let added = r.populate(want) as u64;
             self.accounts.prefaulted += added;
@@ -751,7 +757,8 @@ impl Workspace {
         }
         // A failure to map leaves the workspace serving outside the arena; it retries next cycle.
         let _ = self.apply(sizing);
-        if self.regions.current().map(ArenaRegion::id) != region_before {
+        self.cycles.remapped = self.regions.current().map(ArenaRegion::id) != region_before;
+        if self.cycles.remapped {
             // An arena now serves what blocks of their own served this cycle: the cached ones,
             // and what the block allocator keeps of the others, would only add to the arena.
             self.own.shrink_to(0);
@@ -1267,7 +1274,7 @@ impl Workspace {
                     self.own.peaks.free_earlier(slot);
                 }
                 self.accounts.uncount_external(size, slot);
-                if self.route.caches && !self.cycles.destroyed {
+                if self.route.caches && !self.cycles.destroyed && !(pinned && self.cycles.remapped) {
                     // SAFETY: the caller gives the block up; it is put once.
                     unsafe { self.own.put_cached(p, slot, self.cycles.completed) };
                 } else {

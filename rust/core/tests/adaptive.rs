@@ -217,6 +217,46 @@ fn prefaulted_bytes_never_exceed_what_cycles_used() {
 }
 
 #[test]
+fn state_a_loop_replaces_is_never_resident_twice_when_the_arena_is_sized() {
+    // `a = f(k); b = g(a); c = h(b)` with a, b and c kept until the next cycle replaces them
+    // (globals, attributes): NumPy's allocator frees each old copy as its replacement comes, so at
+    // most one of the three is there twice. The first cycle serves them outside the arena; the
+    // cycles that size the arena must neither keep the old copies cached beside it nor pre-fault
+    // the room of the new ones while the old ones still live.
+    const STATE: usize = 4 * MIB;
+    for (name, b) in backends() {
+        let rec = Recorder::new(b.clone());
+        let backend: Arc<dyn Backend> = rec.clone();
+        let mut w = adaptive(&backend);
+        let mut state: Vec<NonNull<u8>> = Vec::new();
+        for k in 0..miri_or(6, 4) {
+            let populated = rec.populated.load(Ordering::Relaxed);
+            w.enter().unwrap();
+            for i in 0..3 {
+                let p = w.alloc(STATE).unwrap();
+                fill(p.as_ptr(), miri_or(STATE, 256), (k * 3 + i) as u8);
+                if state.len() == 3 {
+                    // SAFETY: live (kept from the last cycle), freed once.
+                    unsafe { w.free(state.remove(0)) };
+                }
+                state.push(p);
+                // The old copies freed so far are not kept beside what replaced them.
+                assert!(w.external_cached_bytes() < STATE, "{name}: cycle {k}: {} cached", w.external_cached_bytes());
+            }
+            let faulted = rec.populated.load(Ordering::Relaxed) - populated;
+            assert!(faulted < STATE, "{name}: cycle {k} opened with {faulted} bytes pre-faulted beside its old state");
+            w.exit().unwrap();
+        }
+        for (i, p) in state.into_iter().enumerate() {
+            assert!(intact(p.as_ptr(), miri_or(STATE, 256), (miri_or(6, 4) * 3 - 3 + i) as u8), "{name}");
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+        }
+        w.verify();
+    }
+}
+
+#[test]
 fn zeroed_requests_from_never_used_memory_are_not_written() {
     for (name, b) in backends() {
         let rec = Recorder::new(b.clone());
