@@ -203,7 +203,9 @@ class Workspace(_rustws.WorkspaceCore):
 
     # Cycles: ``__enter__`` / ``__exit__`` are the core's (rustws._rustws.WorkspaceCore); this
     # hook runs only when a cycle has something to report.
-    def _after_cycle(self, leaked: bool, escaped_blocks: int, escaped_bytes: int) -> None:
+    def _after_cycle(
+        self, leaked: bool, escaped_blocks: int, escaped_bytes: int, completed: bool = False
+    ) -> None:
         _report_refusals(self._drain_failures())
         if leaked:
             cycle = self.generation - 1
@@ -683,13 +685,22 @@ class _CycleObserver:
         return entered
 
     def __exit__(self, *exc: Any) -> Any:
+        # The exit runs through a frame of this class as the entry does: an exit from another
+        # thread (a generator finalised there) is its owner's where the frame that called
+        # `__enter__` calls it (see `ScopeState::entered_in` in the bindings).
+        return super().__exit__(*exc)  # type: ignore[misc]
+
+    def _after_cycle(
+        self, leaked: bool, escaped_blocks: int, escaped_bytes: int, completed: bool = False
+    ) -> None:
+        # Called by the bindings at every exit while observed, a `with` block's and the loop
+        # form's alike. Only an exit that closed the last open cycle reports one (not a nested
+        # one, nor one beside cycles still open); a strict leak raised above still logs.
         ws: Any = self
-        closed_before = ws.generation
         try:
-            return super().__exit__(*exc)  # type: ignore[misc]
+            super()._after_cycle(leaked, escaped_blocks, escaped_bytes, completed)  # type: ignore[misc]
         finally:
-            # Only an exit that closed a cycle reports one (not a refused exit, nor a nested one).
-            if ws.generation != closed_before and not ws.is_open and not ws.is_destroyed:
+            if completed and not ws.is_open and not ws.is_destroyed:
                 _after_observed_cycle(ws)
 
 
@@ -708,12 +719,14 @@ def _observed(ws: Workspace) -> Workspace:
         observed.__qualname__ = cls.__qualname__
     ws.__class__ = observed
     ws.__dict__.setdefault("_observed_settled", False)
+    ws._observe(True)
     return ws
 
 
 def _after_observed_cycle(ws: Any) -> None:
     if not _log.enabled(_log.INFO):
         ws.__class__ = type(ws).__mro__[2]  # the class it had: back to the bindings' cycles
+        ws._observe(False)
         return
     # The core's report of the cycle that just closed: no statistics are compared.
     cycle, allocations, spills, peak, before, after, pinned = ws._last_cycle()

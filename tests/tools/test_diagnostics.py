@@ -124,6 +124,35 @@ def test_info_when_a_workspace_settles_and_debug_records_of_its_arena(caplog):
     assert any("page faults while opening cycle" in m for m in debug)  # the pre-fault
 
 
+def test_the_loop_form_logs_its_cycles_as_with_blocks_do(caplog):
+    sizes = [1 << 16] * 3 + [1 << 20] + [1 << 16] * 12
+
+    def messages(name):
+        return [
+            r.getMessage().replace(name, "W")
+            for r in caplog.records
+            if r.name == "rustws" and name in r.getMessage()
+        ]
+
+    with caplog.at_level(logging.DEBUG, logger="rustws"):
+        _cycles("WITH_FORM", sizes)
+        ws = rustws.workspace("LOOP_FORM")
+        for n in ws.cycles(sizes):
+            a = np.ones(n) * 2
+            np.tanh(a)
+            del a
+        with ws, ws:  # a cycle and a level nested in it: one more cycle, logged once
+            np.ones(1 << 16) * 2
+    loop = messages("LOOP_FORM")
+    assert sum("settled after" in m for m in loop) == 1
+    assert any("mapped an arena" in m for m in loop) and any("grew" in m for m in loop)
+    # The same cycle records as the `with` form (its pre-fault records are counted on entry).
+    records = [m for m in loop if "page faults while opening" not in m]
+    expected = [m for m in messages("WITH_FORM") if "page faults while opening" not in m]
+    assert records[: len(expected)] == expected
+    assert ws.stats().cycles == len(sizes) + 1
+
+
 def test_unobserved_cycles_run_the_bindings_alone(caplog):
     ws = rustws.workspace("QUIET")
     assert type(ws) is Workspace  # no Python between `with` and the bindings

@@ -32,6 +32,9 @@ pub struct Shared {
     failures: Mutex<Vec<Error>>,
     /// Whether `failures` holds anything: read at every cycle exit without the lock.
     pub has_failures: AtomicBool,
+    /// Whether the Python layer logs every cycle (the `rustws` logger at INFO): each exit then
+    /// reports through `_after_cycle`, the loop form's cycles too.
+    pub observed: AtomicBool,
     /// Whether the CPU can touch the workspace's memory: NumPy may allocate from it only then.
     pub host_accessible: bool,
     /// Captured requests smaller than this are served by NumPy's own allocator
@@ -81,6 +84,7 @@ impl Shared {
             workspace: SpinLock::new(workspace),
             failures: Mutex::new(Vec::new()),
             has_failures: AtomicBool::new(false),
+            observed: AtomicBool::new(false),
             host_accessible,
         }
     }

@@ -229,10 +229,12 @@ impl CoreState {
         self.begin_iteration(py, state, true)
     }
 
-    /// Whether a cycle's end has something to report: refused requests, or (with the cycle
-    /// detector) arrays that outlived it.
+    /// Whether a cycle's end has something to report: refused requests, (with the cycle
+    /// detector) arrays that outlived it, or anything while the cycles are observed.
     fn reports(&self, r: &rustws_core::CycleReport) -> bool {
-        self.shared.has_failures.load(Ordering::Relaxed) || self.leaked(r)
+        self.shared.has_failures.load(Ordering::Relaxed)
+            || self.leaked(r)
+            || self.shared.observed.load(Ordering::Relaxed)
     }
 
     fn leaked(&self, r: &rustws_core::CycleReport) -> bool {
@@ -246,7 +248,8 @@ impl CoreState {
         drop(gone); // outside: dropping the last reference frees the state
     }
 
-    /// Reports refused requests and escaped arrays through `_after_cycle`, when there are any.
+    /// Reports refused requests and escaped arrays through `_after_cycle`, when there are any, and
+    /// every exit while the cycles are observed (with whether it closed a cycle).
     pub(crate) fn after_cycle(
         &self,
         py: Python<'_>,
@@ -257,7 +260,12 @@ impl CoreState {
         if self.reports(&r) {
             let leaked = self.leaked(&r);
             let names = calls::names(py)?;
-            let args = [Arg::Bool(leaked && clean), Arg::Int(r.escaped_blocks), Arg::Int(r.escaped_bytes)];
+            let args = [
+                Arg::Bool(leaked && clean),
+                Arg::Int(r.escaped_blocks),
+                Arg::Int(r.escaped_bytes),
+                Arg::Bool(r.completed),
+            ];
             calls::call_method(me, &names.after_cycle, &args)?;
         }
         Ok(())

@@ -367,6 +367,11 @@ impl WorkspaceCore {
         scope::captures_here(py, &self.shared)
     }
 
+    /// Whether every exit reports through `_after_cycle` (the Python layer's cycle log).
+    fn _observe(&self, on: bool) {
+        self.shared.observed.store(on, Ordering::Relaxed);
+    }
+
     /// Raises `WorkspaceClosedError` once the workspace is destroyed.
     fn _check_alive(&self, py: Python<'_>) -> PyResult<()> {
         self.shared.check_alive().map_err(|e| to_py(py, e))
