@@ -202,7 +202,8 @@ class Workspace(_rustws.WorkspaceCore):
         return sites
 
     # Cycles: ``__enter__`` / ``__exit__`` are the core's (rustws._rustws.WorkspaceCore); this
-    # hook runs only when a cycle has something to report.
+    # hook runs when an exit has something to report, and at every exit of an observed workspace
+    # (``completed``: the exit closed a cycle).
     def _after_cycle(
         self, leaked: bool, escaped_blocks: int, escaped_bytes: int, completed: bool = False
     ) -> None:

@@ -171,18 +171,24 @@ def test_a_generator_finalised_on_another_thread_closes_its_scope(produce, obser
     assert _rustws.get_handler() is _rustws.effective_handler()
 
 
-def test_a_level_nested_in_a_cycle_closed_on_another_thread_ends_with_it():
-    """Two generators paused inside `with ws:`: the second nests in the first one's cycle. The
-    first, finalised on another thread, closes its cycle there; the second's level ended with it,
-    so its exit only unwinds, and its next `with ws:` opens a cycle of its own."""
-    ws = rustws.workspace("GEN_NESTED", cfg())
+@pytest.mark.parametrize("opener", ["with", "loop"])
+def test_a_level_nested_in_a_cycle_closed_on_another_thread_ends_with_it(opener):
+    """Two generators paused inside a cycle (the first in a `with ws:` or the loop form, the
+    second in `with ws:`): the second nests in the first one's cycle. The first, finalised on
+    another thread, closes its cycle there; the second's level ended with it, so its exit only
+    unwinds, and its next `with ws:` opens a cycle of its own."""
+    ws = rustws.workspace(f"GEN_NESTED_{opener}", cfg())
 
     def gen():
         for _ in range(3):
             with ws:
                 yield np.ones(BIG)
 
-    first, second = gen(), gen()
+    def loop():
+        for _ in ws.cycles(range(3)):
+            yield np.ones(BIG)
+
+    first, second = (gen() if opener == "with" else loop()), gen()
     next(first)
     next(second)
     assert ws.depth == 2 and ws.stats().cycles == 0
@@ -222,6 +228,29 @@ def test_concurrent_tasks_keeping_results_do_not_grow_the_arena_for_them():
     assert len(kept) == 800 and all(float(k.min()) == float(k.max()) for k in kept)
     assert sorted(float(k[0, 0]) / 2 for k in kept) == [float(i) for i in range(800)]
     assert s.capacity_bytes < 16 * MiB, f"{len(kept) * 80_000} bytes kept: {s}"
+
+
+def test_an_outlier_leaves_the_arena_of_tasks_that_keep_cycles_open():
+    """The arena grows for a task's outlier and shrinks once it leaves the learner's window, also
+    where other tasks keep a cycle open at every moment (their temporaries live in the region)."""
+    ws = rustws.workspace("TASKS_OUTLIER")  # the adaptive profile
+    seen = {}
+
+    async def worker(t):
+        for k in range(200):
+            with ws:
+                x = np.ones((1 << 21) if (t == 0 and k in (20, 40)) else 4096) * 2
+                await asyncio.sleep(0)
+                del x
+            if t == 0 and k in (41, 199):
+                seen[k] = ws.stats().capacity_bytes
+
+    async def main():
+        await asyncio.gather(*(worker(t) for t in range(4)))
+
+    asyncio.run(main())
+    assert seen[41] >= 16 * MiB, seen  # it grew for the 16 MiB outliers
+    assert seen[199] < 4 * MiB, seen  # and shrank while the tasks still ran
 
 
 def test_a_task_destroyed_while_pending_closes_its_cycle():

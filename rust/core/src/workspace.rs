@@ -164,8 +164,13 @@ struct Cycles {
     completed: u64,
     /// Slot bytes served outside an initialised arena in the open cycle.
     spilled: usize,
-    /// Whether blocks of earlier cycles were in the arena when the open cycle began.
+    /// Whether blocks of earlier cycles were in the arena when the open cycle began (beside
+    /// cycles still open, whether the region held any block at the last close: a region that
+    /// never rewinds fills with what such cycles keep).
     kept_in_arena: bool,
+    /// Slot bytes of blocks of earlier cycles that the last closed cycle freed (state it
+    /// replaced), which the need learned then counts beside their replacements.
+    replaced: usize,
     /// Whether the last close mapped a new region: blocks outside the arena that earlier cycles
     /// left live (state this cycle replaces) go back as they are freed, as the cached ones did
     /// then, rather than staying cached beside the arena that now serves their sizes.
@@ -698,15 +703,16 @@ impl Workspace {
     fn prefault_now(&mut self) {
         let mut want = self.regions.take_prefault().min(available_memory() / 4);
         let pinned_slot = self.accounts.pinned_slot;
+        let replaced = self.cycles.replaced.min(pinned_slot);
         if let Some(r) = self.regions.current_mut() {
-            // Blocks of earlier cycles that a new region's need counted (state the loop replaces)
-            // still live outside it, in the region it replaced or outside the arena. The need
-            // counts them twice: as they are until freed, and as their replacements, which the
+            // Blocks of earlier cycles still live outside a new region (in the one it replaced,
+            // or outside the arena): state the loop replaces, and results kept on. The need counts
+            // the state twice, as the old copies until freed and as their replacements, which the
             // cycle carves here from the region's start. Pre-faulting either share now would keep
             // both copies resident at once (as NumPy's allocator never does: each old copy goes as
             // its replacement comes); that room faults in when first used instead.
             if r.live_blocks() == 0 {
-                want = want.saturating_sub(pinned_slot.saturating_mul(2));
+                want = want.saturating_sub(pinned_slot.saturating_add(replaced));
             }
             let added = r.populate(want) as u64;
             self.accounts.prefaulted += added;
@@ -738,11 +744,10 @@ impl Workspace {
             kept_in_arena: self.cycles.kept_in_arena,
             // Blocks pinned in the region at an earlier cycle's end that still live (results kept
             // from cycle to cycle, not state that this cycle replaced).
-            pinned_in_arena: (self.cycles.kept_here.1 > 0
-                && self.regions.current().map(ArenaRegion::id) == Some(self.cycles.kept_here.0))
-                // Cycles overlapping never pin: blocks the region held as this one opened.
-                || (self.cycles.active > 0 && self.cycles.kept_in_arena),
+            pinned_in_arena: self.cycles.kept_here.1 > 0
+                && self.regions.current().map(ArenaRegion::id) == Some(self.cycles.kept_here.0),
         };
+        self.cycles.replaced = self.accounts.unpinned_slot;
         let current = self.regions.current_capacity();
         let region_before = self.regions.current().map(ArenaRegion::id);
         // Put apart before the arena is sized, at the last close: it sees which blocks outlived
@@ -1274,7 +1279,11 @@ impl Workspace {
                     self.own.peaks.free_earlier(slot);
                 }
                 self.accounts.uncount_external(size, slot);
-                if self.route.caches && !self.cycles.destroyed && !(pinned && self.cycles.remapped) {
+                // After a remap, state of earlier cycles goes back as it is freed, but for the
+                // classes kept apart, which the arena does not serve.
+                let superseded =
+                    pinned && self.cycles.remapped && !class_of(size).is_some_and(|c| self.apart.classes.contains(c));
+                if self.route.caches && !self.cycles.destroyed && !superseded {
                     // SAFETY: the caller gives the block up; it is put once.
                     unsafe { self.own.put_cached(p, slot, self.cycles.completed) };
                 } else {

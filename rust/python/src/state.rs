@@ -297,11 +297,11 @@ impl CoreState {
                 match owned {
                     Some(at) => {
                         let state = open[at].clone();
-                        state.close();
                         // Levels nested in its cycle on its own thread end with the cycle, as
                         // where it is unlinked there: their exits only unwind.
                         let orphans =
                             if state.opened_cycle() { crate::shared::orphan_nested_after(&open, at) } else { 0 };
+                        state.close();
                         self.forget_scope(py, &state);
                         self.end_level(py, me, &state, clean, orphans)
                     }
@@ -333,8 +333,20 @@ impl CoreState {
                 self.exit_level(py, me, state, Some((innermost, orphans)), clean)
             }
             scope::Popped::NotHere => {
+                // Closed from elsewhere: levels nested in its cycle on its own thread end with it.
+                let orphans = if state.opened_cycle() {
+                    self.open_scopes
+                        .with(py, |open| {
+                            let at = open.iter().rposition(|s| Arc::ptr_eq(s, state))?;
+                            Some(crate::shared::orphan_nested_after(open, at))
+                        })
+                        .unwrap_or(0)
+                } else {
+                    0
+                };
                 state.close();
-                self.exit_level(py, me, state, None, clean)
+                self.forget_scope(py, state);
+                self.end_level(py, me, state, clean, orphans)
             }
         }
     }

@@ -326,10 +326,12 @@ impl WorkspaceCore {
     }
 
     /// Closes this workspace's innermost scope here; a cycle's scope ends the cycle. Reports
-    /// refused requests and escaped arrays through `_after_cycle` when there are any. A scope
-    /// that is not the innermost is unlinked and the exit warns (`ResourceWarning`); one that is
-    /// not in this thread's or task's stack at all (a generator finalised on another thread) is
-    /// closed all the same, and the exit raises `ScopeError`.
+    /// refused requests and escaped arrays through `_after_cycle` when there are any (every exit,
+    /// while the workspace is observed). A scope that is not the innermost is unlinked and the
+    /// exit warns (`ResourceWarning`); one that is not in this thread's or task's stack at all is
+    /// closed all the same where the frame that entered it runs the exit (a generator finalised on
+    /// another thread), levels nested in its cycle ending with it, and otherwise the exit raises
+    /// `ScopeError` and changes nothing.
     #[pyo3(signature = (exc_type=None, _exc=None, _tb=None))]
     fn __exit__(
         slf: &Bound<'_, Self>,
