@@ -475,13 +475,16 @@ pub(crate) fn take_frozen(name: &str, requested: u64) -> Option<Vec<MemoryState>
     }
 }
 
-/// Marks the levels nested in the cycle that `scopes[at]` opened as ended with it and returns how
-/// many there were: the open scopes entered after it on its thread and in its task that nest
-/// (open no cycle), up to the next one there that opens a cycle. For a scope closed from
-/// elsewhere, whose own stack cannot be walked from here (see `scope::pop` for the same
-/// thread).
+/// Marks the levels nested in the cycle that `scopes[at]` opened (none if it opened no cycle) as
+/// ended with it and returns how many there were: the open scopes entered after it on its thread
+/// and in its task that nest (open no cycle), up to the next one there that opens a cycle. For a
+/// scope closed from elsewhere, whose own stack cannot be walked from here (see `scope::pop` for
+/// the same thread).
 pub(crate) fn orphan_nested_after(scopes: &[Arc<ScopeState>], at: usize) -> u32 {
     let opener = &scopes[at];
+    if !opener.opened_cycle() {
+        return 0;
+    }
     let mut orphans = 0;
     for s in scopes[at + 1..].iter().filter(|s| s.thread == opener.thread && s.task == opener.task) {
         if s.opened_cycle() {

@@ -274,9 +274,9 @@ impl CoreState {
     /// Closes this workspace's innermost scope here (see `__exit__`).
     pub(crate) fn exit_scope(&self, py: Python<'_>, me: &Bound<'_, PyAny>, clean: bool) -> PyResult<()> {
         match scope::pop(py, me, None)? {
-            scope::Popped::Innermost(state) => self.exit_level(py, me, &state, None, clean),
+            scope::Popped::Innermost(state) => self.exit_level(py, me, &state, 0, None, clean),
             scope::Popped::Unlinked(state, innermost, orphans) => {
-                self.exit_level(py, me, &state, Some((innermost, orphans)), clean)
+                self.exit_level(py, me, &state, orphans, Some(innermost), clean)
             }
             scope::Popped::NotHere => {
                 // Not in this stack. The scope whose entering frame runs this exit is its owner's
@@ -299,11 +299,9 @@ impl CoreState {
                         let state = open[at].clone();
                         // Levels nested in its cycle on its own thread end with the cycle, as
                         // where it is unlinked there: their exits only unwind.
-                        let orphans =
-                            if state.opened_cycle() { crate::shared::orphan_nested_after(&open, at) } else { 0 };
+                        let orphans = crate::shared::orphan_nested_after(&open, at);
                         state.close();
-                        self.forget_scope(py, &state);
-                        self.end_level(py, me, &state, clean, orphans)
+                        self.exit_level(py, me, &state, orphans, None, clean)
                     }
                     None if any_open => Err(errors::new(
                         py,
@@ -328,45 +326,39 @@ impl CoreState {
         clean: bool,
     ) -> PyResult<()> {
         match scope::pop(py, me, Some(state))? {
-            scope::Popped::Innermost(_) => self.exit_level(py, me, state, None, clean),
+            scope::Popped::Innermost(_) => self.exit_level(py, me, state, 0, None, clean),
             scope::Popped::Unlinked(_, innermost, orphans) => {
-                self.exit_level(py, me, state, Some((innermost, orphans)), clean)
+                self.exit_level(py, me, state, orphans, Some(innermost), clean)
             }
             scope::Popped::NotHere => {
                 // Closed from elsewhere: levels nested in its cycle on its own thread end with it.
-                let orphans = if state.opened_cycle() {
-                    self.open_scopes
-                        .with(py, |open| {
-                            let at = open.iter().rposition(|s| Arc::ptr_eq(s, state))?;
-                            Some(crate::shared::orphan_nested_after(open, at))
-                        })
-                        .unwrap_or(0)
-                } else {
-                    0
-                };
+                let orphans = self.open_scopes.with(py, |open| {
+                    open.iter()
+                        .rposition(|s| Arc::ptr_eq(s, state))
+                        .map_or(0, |at| crate::shared::orphan_nested_after(open, at))
+                });
                 state.close();
-                self.forget_scope(py, state);
-                self.end_level(py, me, state, clean, orphans)
+                self.exit_level(py, me, state, orphans, None, clean)
             }
         }
     }
 
-    /// After a scope left the stack: it leaves the open scopes, its level ends, and an exit out
-    /// of order warns.
-    /// `unlinked_under`: the scope it was unlinked from under, and how many levels of this
-    /// workspace nested in its cycle ended with it (their exits will only unwind).
+    /// After a scope left the stack (or was closed from elsewhere): it leaves the open scopes, its
+    /// level ends, and an exit out of order warns.
+    /// `orphans`: how many levels of this workspace nested in its cycle ended with it (their exits
+    /// will only unwind); `unlinked_under`: the scope it was unlinked from under.
     fn exit_level(
         &self,
         py: Python<'_>,
         me: &Bound<'_, PyAny>,
         state: &Arc<ScopeState>,
-        unlinked_under: Option<(String, u32)>,
+        orphans: u32,
+        unlinked_under: Option<String>,
         clean: bool,
     ) -> PyResult<()> {
         self.forget_scope(py, state);
-        let orphans = unlinked_under.as_ref().map_or(0, |(_, orphans)| *orphans);
         self.end_level(py, me, state, clean, orphans)?;
-        if let Some((innermost, _)) = unlinked_under {
+        if let Some(innermost) = unlinked_under {
             scope::warn_unlinked(py, &scope::describe(me), &innermost)?;
         }
         Ok(())
