@@ -241,7 +241,10 @@ pub struct ArenaRegion {
     owner: u64,
     data: NonNull<u8>,
     meta: NonNull<u8>,
+    /// The bytes it serves: what was mapped, or less after [`ArenaRegion::resize_in_place`].
     capacity: usize,
+    /// The bytes mapped (of data, and of headers where they are apart).
+    mapped: usize,
     backend: Arc<dyn Backend>,
     /// The current hole is `[cursor, limit)`.
     cursor: usize,
@@ -312,6 +315,7 @@ impl ArenaRegion {
             data,
             meta,
             capacity,
+            mapped: capacity,
             backend,
             cursor: 0,
             limit: 0,
@@ -337,6 +341,11 @@ impl ArenaRegion {
         } else {
             self.dirty_end.max(self.top)
         }
+    }
+
+    /// The end of what may be resident: what was carved, and what was pre-faulted.
+    pub fn resident_end(&self) -> usize {
+        self.carved_end().max(self.prefaulted)
     }
 
     /// Whether `[off, ..)`, just carved, is still zero as mapped. Exact: the tail is carved
@@ -369,6 +378,54 @@ impl ArenaRegion {
 
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Bytes mapped: [`ArenaRegion::capacity`], or more after a shrink in place.
+    pub fn mapped(&self) -> usize {
+        self.mapped
+    }
+
+    /// Returns the whole pages of `[from, to)` (offsets within the mapping, holding no live
+    /// block) to the system.
+    fn discard_pages(&self, from: usize, to: usize) {
+        let page = crate::backend::page_bytes();
+        let (a, b) = (from.next_multiple_of(page), to.min(self.mapped) / page * page);
+        if a < b {
+            // SAFETY: `[a, b)` lies inside both mappings (offsets below `mapped`).
+            let (p, m) = unsafe { (self.data.add(a), self.meta.add(a)) };
+            self.backend.discard(p, b - a);
+            if m != p {
+                AnonymousMemory.discard(m, b - a);
+            }
+        }
+    }
+
+    /// Makes the region serve `capacity` bytes (whole pages) within what it has mapped, without
+    /// mapping anew: what a cycle keeps resident below stays, with no page fault and no
+    /// pre-fault again. A region grows so at any time, up to what it mapped. It shrinks so only
+    /// when empty, where discarded pages read back as zeros (anonymous memory): it rewinds, and
+    /// the pages above `capacity` go back to the system. Returns whether it was resized.
+    pub fn resize_in_place(&mut self, capacity: usize) -> bool {
+        let page = crate::backend::page_bytes();
+        if capacity == 0 || capacity > self.mapped || capacity % page != 0 {
+            return false;
+        }
+        if capacity < self.capacity {
+            if self.live_blocks > 0 || !self.backend.discard_zeroes() {
+                return false;
+            }
+            self.rewind();
+            let resident = self.dirty_end.max(self.prefaulted);
+            self.discard_pages(capacity, resident.next_multiple_of(page));
+            self.dirty_end = self.dirty_end.min(capacity);
+            self.prefaulted = self.prefaulted.min(capacity);
+            self.capacity = capacity;
+            self.take_tail(0);
+        } else {
+            // The tail, or a walk, reaches the new end from here on.
+            self.capacity = capacity;
+        }
+        true
     }
 
     pub fn live_blocks(&self) -> usize {
@@ -977,17 +1034,7 @@ impl ArenaRegion {
         }
         self.close_hole();
         let page = crate::backend::page_bytes();
-        let discard = |this: &Self, from: usize, to: usize| {
-            let (a, b) = (from.next_multiple_of(page), to / page * page);
-            if a < b {
-                // SAFETY: `[a, b)` lies inside both mappings (offsets below capacity).
-                let (p, m) = unsafe { (this.data.add(a), this.meta.add(a)) };
-                this.backend.discard(p, b - a);
-                if m != p {
-                    AnonymousMemory.discard(m, b - a);
-                }
-            }
-        };
+        let discard = Self::discard_pages;
         let mut pos = 0;
         while pos < self.top {
             let h = self.header_at(pos);
@@ -1021,15 +1068,15 @@ impl ArenaRegion {
 impl Drop for ArenaRegion {
     fn drop(&mut self) {
         // The addresses may be mapped again by anyone: nothing of them stays poisoned.
-        self.unpoison(0, self.capacity);
-        // SAFETY: the region was mapped by `backend` with this capacity and is released once,
+        self.unpoison(0, self.mapped);
+        // SAFETY: the region was mapped by `backend` with `mapped` bytes and is released once,
         // here; the owning workspace drops a region only when no block in it is live, or when
         // the workspace itself is dropped (its contract: all blocks released first).
-        unsafe { self.backend.unmap(self.data, self.capacity) };
+        unsafe { self.backend.unmap(self.data, self.mapped) };
         if self.meta != self.data {
             // SAFETY: the header mapping was made by `AnonymousMemory` for this region, released
             // once, here.
-            unsafe { AnonymousMemory.unmap(self.meta, self.capacity) };
+            unsafe { AnonymousMemory.unmap(self.meta, self.mapped) };
         }
     }
 }
@@ -1096,5 +1143,36 @@ mod tests {
         assert!(!again.contains(&kept), "never the memory under the kept block");
         let slot = class_size(class_of(4000).unwrap()) + HEADER;
         assert_eq!(r.verify(), (again.len() + 1) * slot, "the live slots, the kept block's included");
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "pages of a mapping discarded")]
+    fn a_region_resizes_in_place_within_its_mapping() {
+        let page = crate::backend::page_bytes();
+        let mut r = ArenaRegion::new(1, 7, 16 * page, Arc::new(AnonymousMemory), true).expect("a test region");
+        let all: Vec<_> = std::iter::from_fn(|| take(&mut r, 3000)).collect();
+        for p in &all {
+            // SAFETY: live blocks of 3000 bytes.
+            unsafe { std::ptr::write_bytes(p.as_ptr(), 0xAB, 3000) };
+        }
+        assert!(!r.resize_in_place(4 * page), "a region with live blocks shrinks by a new mapping");
+        for &p in &all {
+            free(&mut r, p);
+        }
+        assert!(!r.resize_in_place(32 * page), "never past what it mapped");
+        assert!(r.resize_in_place(4 * page));
+        assert_eq!((r.capacity(), r.mapped()), (4 * page, 16 * page));
+        // SAFETY: inside the mapping; the pages above the capacity went back, and read as zeros.
+        assert!((4 * page..16 * page).step_by(page / 2).all(|off| unsafe { *r.data.as_ptr().add(off) } == 0));
+        let small: Vec<_> = std::iter::from_fn(|| take(&mut r, 3000)).collect();
+        let end = r.data.as_ptr() as usize + 4 * page;
+        assert!(small.len() < all.len() / 3 && small.iter().all(|p| p.as_ptr() as usize + 3000 <= end));
+        assert!(r.resize_in_place(16 * page), "it grows back where it is, its blocks live");
+        let more: Vec<_> = std::iter::from_fn(|| take(&mut r, 3000)).collect();
+        assert_eq!(small.len() + more.len(), all.len(), "the whole mapping serves again");
+        for p in small.into_iter().chain(more) {
+            free(&mut r, p);
+        }
+        assert_eq!(r.verify(), 0);
     }
 }

@@ -138,6 +138,12 @@ impl Regions {
         }
     }
 
+    /// The current region, resized in place, has its first `prefault` bytes pre-faulted when
+    /// the next cycle opens.
+    pub fn set_prefault(&mut self, prefault: usize) {
+        self.pending_prefault = prefault.min(self.current_capacity());
+    }
+
     /// What the next cycle should pre-fault (taken: it is done once).
     pub fn take_prefault(&mut self) -> usize {
         std::mem::take(&mut self.pending_prefault)

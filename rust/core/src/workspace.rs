@@ -27,14 +27,18 @@
 //! profile without `max_size`, a cycle end that finds blocks of up to [`APART_MAX`] bytes pinned
 //! at an earlier one still live in the region puts their size classes apart ([`Apart`]): from
 //! then on those classes are served outside the arena, as results in a plain process are, a
-//! fresh region replaces the old one, and the arena holds temporaries (and state each cycle
-//! replaces) only. Larger classes stay: the cycle's own large temporaries usually share them, and
+//! fresh region replaces the old one (at once the first time, then after waits that double: a
+//! loop whose kept sizes keep changing would replace it at every cycle), and the arena holds
+//! temporaries (and state each cycle replaces) only. Larger classes stay: the cycle's own large temporaries usually share them, and
 //! would leave the arena too while it stays sized for them. Under a limit, the arena and what is
 //! served outside it share one budget, and a class moved out could find no room there.
 //!
 //! What a cycle never touched costs address space, not memory: a region pre-faults at most what
 //! the learned cycles used (and never more than [`PREFAULT_LIMIT`]), zeroed requests carved from
 //! never-used memory are not written, and huge requests get lazily faulted mappings of their own.
+//! So an arena that follows changing needs is resized within what its region maps where it can
+//! ([`ArenaRegion::resize_in_place`]), keeping what it has resident, and is not replaced by a
+//! smaller one that would give nothing back.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -51,11 +55,14 @@ use crate::error::{BackendError, Error, Name, Refusal};
 use crate::external::OwnBlocks;
 use crate::history::{Action, LiveBlock, Recorder, Segment, SegmentKind};
 use crate::huge::{HugeCache, HUGE_BLOCK_MIN};
-use crate::learner::{CycleFacts, CycleLearner, Sizing};
+use crate::learner::{CycleFacts, CycleLearner, Sizing, MAX_HOLD, NEED_WINDOW};
 use crate::regions::{InRegion, Regions};
 
 /// The most a region pre-faults when it is mapped; pages beyond fault in on first use.
 pub const PREFAULT_LIMIT: usize = 1 << 30;
+
+/// A region shrinks in place while it maps at most this many times what it is to serve.
+const IN_PLACE_MAX: usize = 4;
 
 /// External bytes a cycle must have served before the block allocator's cache is returned when
 /// an arena takes over.
@@ -147,7 +154,18 @@ struct Apart {
     classes: ClassSet,
     /// The [`Cycles::kept_here`] at which the last look found no class to put apart.
     looked: (u64, usize),
+    /// Whether classes were put apart since the region was last replaced for them.
+    pending: bool,
+    /// The cycle from which the region may be replaced for classes put apart again, and the
+    /// cycles to wait after that: doubled at each replacement, so that a loop whose kept sizes
+    /// keep changing (every class a new one for a while) replaces its region a few times, not at
+    /// every cycle that keeps a size not seen before.
+    next: u64,
+    wait: u64,
 }
+
+/// The cycles between the first two replacements of a region for classes put apart.
+const APART_WAIT: u64 = NEED_WINDOW as u64;
 
 /// The cycles of a workspace: how many are open, how deep, and the pinning epoch.
 #[derive(Debug, Default, Clone)]
@@ -181,6 +199,9 @@ struct Cycles {
     /// Whether the workspace was destroyed: no cycle opens again, and its memory goes back as
     /// its last blocks die. The one place this is decided.
     destroyed: bool,
+    /// Whether the block allocator's free memory was returned before the workspace's first
+    /// large block of its own (see [`Workspace::new_external`]).
+    trimmed: bool,
     /// Counters when the open cycle began: allocations, spills, arena capacity.
     opened: (u64, u64, u64),
     /// What the last close reported.
@@ -532,6 +553,18 @@ impl Workspace {
             return Ok(true);
         }
         let current = self.regions.current_capacity();
+        if cap != current && self.limit.limit() == usize::MAX && self.route.lists {
+            // Within what the region maps, it is resized where it is: an arena that follows
+            // changing needs keeps what it has resident, with no new mapping and no pre-fault
+            // of it again. A region much larger than it is to serve is replaced (its address
+            // space goes back too); a limit counts what is mapped, so under one it always is.
+            if let Some(r) = self.regions.current_mut() {
+                if (cap > current || r.mapped() <= cap.saturating_mul(IN_PLACE_MAX)) && r.resize_in_place(cap) {
+                    self.regions.set_prefault(prefault.min(PREFAULT_LIMIT));
+                    return Ok(true);
+                }
+            }
+        }
         let freed = if self.regions.current_is_empty() { current } else { 0 };
         let mut room = self.limit.room().saturating_add(freed);
         if cap > room {
@@ -752,13 +785,27 @@ impl Workspace {
         let region_before = self.regions.current().map(ArenaRegion::id);
         // Put apart before the arena is sized, at the last close: it sees which blocks outlived
         // cycles.
-        let apart = self.cycles.active == 0 && self.route.apart && self.keep_apart();
+        let apart = self.cycles.active == 0 && self.route.apart && self.replace_for_apart();
         let mut sizing =
             self.learner.end_cycle(&self.config, self.cycles.completed - 1, facts, current, self.route.arena);
         if apart && matches!(sizing, Sizing::Keep) {
             // The kept blocks of the classes now apart still cut the region's free runs: a fresh
             // region of the same size replaces it, and the old one keeps only the pages under them.
             sizing = Sizing::Map { capacity: current, prefault: self.learner.need };
+        }
+        if let (Sizing::Map { capacity, .. }, Some(r)) = (sizing, self.regions.current()) {
+            // A smaller region would give nothing back where the cycles never touched more of
+            // this one than it is to serve (a region grown beside kept blocks, twice the need, and
+            // those blocks still live): it stays, rather than be replaced and pre-faulted anew,
+            // and what lives in it retired beside the new one.
+            let untouched = r.resident_end() <= capacity.saturating_add(capacity / 10);
+            if capacity < current
+                && r.live_blocks() > 0
+                && untouched
+                && r.mapped() <= capacity.saturating_mul(IN_PLACE_MAX)
+            {
+                sizing = Sizing::Keep;
+            }
         }
         // A failure to map leaves the workspace serving outside the arena; it retries next cycle.
         let _ = self.apply(sizing);
@@ -830,6 +877,28 @@ impl Workspace {
             return false;
         }
         self.look_apart()
+    }
+
+    /// Puts apart the classes of results kept in the region ([`Workspace::keep_apart`]), and
+    /// says whether the region is replaced now for those put apart since it last was: the first
+    /// time at once, then after a wait that doubles each time (up to [`MAX_HOLD`] cycles), if
+    /// results kept then still live in it. Meanwhile the classes are apart all the same, and
+    /// their kept blocks stay where they are.
+    fn replace_for_apart(&mut self) -> bool {
+        self.apart.pending |= self.keep_apart();
+        let kept = self.cycles.kept_here;
+        let a = &mut self.apart;
+        if !a.pending
+            || self.cycles.completed < a.next
+            || kept.1 == 0
+            || self.regions.current().map(ArenaRegion::id) != Some(kept.0)
+        {
+            return false;
+        }
+        a.pending = false;
+        a.wait = (a.wait * 2).clamp(APART_WAIT, MAX_HOLD);
+        a.next = self.cycles.completed + a.wait;
+        true
     }
 
     #[cold]
@@ -1049,6 +1118,16 @@ impl Workspace {
         // memory outside the arena stays within what lives there and what the cycle reuses.
         let live = self.accounts.external_slot.saturating_add(len);
         self.own.shrink_cold(self.own.peaks.slack(live), self.own.peaks.cache_budget(live));
+        if !self.cycles.trimmed && len >= TRIM_AFTER && self.regions.capacity() == 0 {
+            // The first large block of a workspace that has no arena yet: the C heap may hold
+            // free memory that the program's setup left (arrays made and freed before the loop),
+            // which NumPy's allocator would have reused. A block of its class, a header and a
+            // page's alignment larger than NumPy's request, lies over the mapping threshold
+            // glibc learned from NumPy's frees, so it is mapped fresh beside that memory: return
+            // the memory first, once.
+            self.cycles.trimmed = true;
+            self.limit.upstream().trim();
+        }
         let epoch = self.cycles.epoch;
         let p =
             self.within_limit(req.size, |ws| ws.own.new_block(BlockKind::External, req.size, len, req.zeroed, epoch))?;

@@ -23,6 +23,10 @@ struct Recorder {
     populated: AtomicUsize,
     /// Blocks asked of the block allocator.
     blocks: AtomicUsize,
+    /// Times the block allocator was asked to return its free memory.
+    trims: AtomicUsize,
+    /// Regions mapped.
+    maps: AtomicUsize,
 }
 
 impl Recorder {
@@ -32,6 +36,8 @@ impl Recorder {
             zeroed: AtomicUsize::new(0),
             populated: AtomicUsize::new(0),
             blocks: AtomicUsize::new(0),
+            trims: AtomicUsize::new(0),
+            maps: AtomicUsize::new(0),
         })
     }
 }
@@ -41,6 +47,7 @@ impl Backend for Recorder {
         "recorder"
     }
     fn map(&self, len: usize, prefault: bool) -> Result<NonNull<u8>, BackendError> {
+        self.maps.fetch_add(1, Ordering::Relaxed);
         if prefault {
             self.populated.fetch_add(len, Ordering::Relaxed);
         }
@@ -79,6 +86,10 @@ impl Backend for Recorder {
     }
     fn discard_zeroes(&self) -> bool {
         self.upstream.discard_zeroes()
+    }
+    fn trim(&self) {
+        self.trims.fetch_add(1, Ordering::Relaxed);
+        self.upstream.trim()
     }
 }
 
@@ -749,5 +760,107 @@ fn empty_first_cycles_do_not_stop_the_adaptive_arena_from_growing() {
                 unsafe { w.free(p) };
             }
         }
+    }
+}
+
+#[test]
+fn the_block_allocators_free_memory_goes_back_before_a_workspaces_first_large_block() {
+    // Free memory the program's setup left in the C heap would be reused by NumPy's allocator;
+    // a block of its own, larger than NumPy's request, is mapped beside it: it goes back first,
+    // once, and not for small blocks, which the C heap serves from that memory anyway.
+    for (name, b) in backends() {
+        let r = Recorder::new(b.clone());
+        let mut w = Workspace::with_backend("T", WorkspaceConfiguration::adaptive(), r.clone()).unwrap();
+        let trims = || r.trims.load(Ordering::Relaxed);
+        w.enter().unwrap();
+        let small: Vec<_> = (0..8).map(|_| w.alloc(64 * KIB).unwrap()).collect();
+        assert_eq!(trims(), 0, "{name}: small blocks");
+        let large = w.alloc(2 * MIB).unwrap();
+        assert_eq!(trims(), 1, "{name}: the first large block");
+        let more = w.alloc(4 * MIB).unwrap();
+        assert_eq!(trims(), 1, "{name}: once");
+        for p in small.into_iter().chain([large, more]) {
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+        }
+        w.exit().unwrap();
+        let after_first = trims();
+        for _ in 0..3 {
+            body(&mut w, 3, 2 * MIB);
+        }
+        assert_eq!(trims(), after_first, "{name}: cycles served by the arena return nothing");
+        w.verify();
+    }
+}
+
+#[test]
+fn an_arena_that_follows_changing_needs_resizes_where_it_is() {
+    // Needs that fall after larger cycles and rise again within what the arena mapped: where the
+    // backend's discarded pages read back as zeros, the region shrinks and grows back within its
+    // mapping, keeping what it has resident below, with no new mapping; elsewhere a new region
+    // replaces it each time.
+    for (name, b) in backends() {
+        let r = Recorder::new(b.clone());
+        let mut w = Workspace::with_backend("T", WorkspaceConfiguration::adaptive(), r.clone()).unwrap();
+        let maps = || r.maps.load(Ordering::Relaxed);
+        for _ in 0..3 {
+            body(&mut w, 3, MIB);
+        }
+        let (big, mapped) = (w.stats().capacity_bytes, maps());
+        for _ in 0..12 {
+            body(&mut w, 3, 384 * KIB);
+        }
+        let small = w.stats().capacity_bytes;
+        assert!(small > 0 && small < big / 2, "{name}: the arena shrank ({big} -> {small} bytes)");
+        let in_place = b.discard_zeroes() && b.host_accessible();
+        assert_eq!(maps() == mapped, in_place, "{name}: {} regions mapped for the shrink", maps() - mapped);
+        let mut spills = Vec::new();
+        for _ in 0..4 {
+            let before = w.stats().spill_count;
+            body(&mut w, 3, 640 * KIB);
+            spills.push(w.stats().spill_count - before);
+        }
+        let grown = w.stats().capacity_bytes;
+        assert!(grown > small && grown <= big, "{name}: it grew back to {grown} bytes");
+        assert!(spills[1..].iter().all(|&s| s == 0), "{name}: spills per cycle {spills:?}");
+        assert_eq!(maps() == mapped, in_place, "{name}: {} regions mapped for the growth", maps() - mapped);
+        w.verify();
+    }
+}
+
+#[test]
+fn results_of_ever_new_sizes_replace_the_region_a_few_times_not_every_cycle() {
+    // Each cycle keeps a result of a size no cycle kept before, beside the same temporaries:
+    // every cycle end puts a new class apart. The region is replaced for them at once the first
+    // time, then after waits that double, so that a loop whose kept sizes keep changing maps a
+    // few regions, not one per cycle (each pre-faulted anew). What is apart stays apart.
+    for (name, b) in backends() {
+        let r = Recorder::new(b.clone());
+        let mut w = Workspace::with_backend("T", WorkspaceConfiguration::adaptive(), r.clone()).unwrap();
+        let cycles = 40;
+        let mut kept = Vec::new();
+        for k in 0..cycles {
+            w.enter().unwrap();
+            let size = 1100 + 700 * k; // a class of its own each cycle, all under 32 KiB
+            let keep = w.alloc(size).unwrap();
+            fill(keep.as_ptr(), size, k as u8);
+            kept.push((keep, size, k as u8));
+            for _ in 0..3 {
+                let t = w.alloc(200 * KIB).unwrap();
+                fill(t.as_ptr(), miri_or(4096, 256), 1);
+                // SAFETY: live, freed once.
+                unsafe { w.free(t) };
+            }
+            w.exit().unwrap();
+        }
+        let maps = r.maps.load(Ordering::Relaxed);
+        assert!(maps <= 8, "{name}: {maps} regions mapped in {cycles} cycles");
+        assert!(w.kept_apart().len() >= 10, "{name}: {} classes apart", w.kept_apart().len());
+        for (p, size, v) in kept {
+            assert!(intact(p.as_ptr(), size, v), "{name}: a kept result changed");
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+        }
+        w.verify();
     }
 }
