@@ -145,6 +145,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
         false
     }
 
+    /// Whether mapped memory costs nothing until it is touched, so that a region may map more
+    /// than it serves (anonymous and file mappings; not device or pinned memory, which is taken
+    /// whole when mapped).
+    fn faults_lazily(&self) -> bool {
+        false
+    }
+
     /// Whether the CPU can read and write this backend's memory.
     fn host_accessible(&self) -> bool {
         true
@@ -423,6 +430,11 @@ impl Backend for AnonymousMemory {
     }
 
     fn discard_zeroes(&self) -> bool {
+        // Miri runs no `madvise` (see the shim above): there the pages keep their bytes.
+        !cfg!(miri)
+    }
+
+    fn faults_lazily(&self) -> bool {
         true
     }
 
@@ -1163,6 +1175,10 @@ impl Backend for LimitAdaptor {
         self.upstream.discard_zeroes()
     }
 
+    fn faults_lazily(&self) -> bool {
+        self.upstream.faults_lazily()
+    }
+
     fn trim(&self) {
         self.upstream.trim();
     }
@@ -1279,6 +1295,10 @@ impl Backend for FaultAdaptor {
 
     fn host_accessible(&self) -> bool {
         self.upstream.host_accessible()
+    }
+
+    fn faults_lazily(&self) -> bool {
+        self.upstream.faults_lazily()
     }
 
     fn discard(&self, ptr: NonNull<u8>, len: usize) {

@@ -52,7 +52,7 @@ impl Regions {
         self.current.iter().chain(self.retired.iter())
     }
 
-    /// Bytes mapped for all regions.
+    /// Bytes all regions serve (what they map, less what regions resized in place left above).
     pub fn capacity(&self) -> usize {
         self.iter().map(ArenaRegion::capacity).sum()
     }

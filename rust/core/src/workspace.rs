@@ -154,8 +154,9 @@ struct Apart {
     classes: ClassSet,
     /// The [`Cycles::kept_here`] at which the last look found no class to put apart.
     looked: (u64, usize),
-    /// Whether classes were put apart since the region was last replaced for them.
-    pending: bool,
+    /// The region in which classes were put apart since it was last replaced for them (none
+    /// once another replaced it, their kept blocks retired with it).
+    pending: Option<u64>,
     /// The cycle from which the region may be replaced for classes put apart again, and the
     /// cycles to wait after that: doubled at each replacement, so that a loop whose kept sizes
     /// keep changing (every class a new one for a while) replaces its region a few times, not at
@@ -346,7 +347,7 @@ impl Workspace {
         if ws.config.initial_size > 0 && ws.route.arena {
             // Nothing was learned yet: the pages fault in as cycles first touch them.
             let cap = crate::learner::capacity_for(&ws.config, 0);
-            ws.resize_arena(cap, 0)?;
+            ws.resize_arena(cap, 0, false)?;
         }
         Ok(ws)
     }
@@ -547,13 +548,15 @@ impl Workspace {
     /// the limit: a region that would take the footprint past `max_size` (with the caches given
     /// back) is mapped smaller where growth still fits, else not at all, and the workspace keeps
     /// what it has (`Ok(false)`). Where the old region goes back, it goes first, so that the two
-    /// never coexist past the limit.
-    fn resize_arena(&mut self, cap: usize, prefault: usize) -> Result<bool, Error> {
+    /// never coexist past the limit. Without a limit, a region of lazily faulted memory is
+    /// resized where it lies when it can ([`ArenaRegion::resize_in_place`]), unless `fresh`
+    /// asks for a new one.
+    fn resize_arena(&mut self, cap: usize, prefault: usize, fresh: bool) -> Result<bool, Error> {
         if cap == 0 {
             return Ok(true);
         }
         let current = self.regions.current_capacity();
-        if cap != current && self.limit.limit() == usize::MAX && self.route.lists {
+        if cap != current && !fresh && self.lazily_resized() {
             // Within what the region maps, it is resized where it is: an arena that follows
             // changing needs keeps what it has resident, with no new mapping and no pre-fault
             // of it again. A region much larger than it is to serve is replaced (its address
@@ -603,11 +606,18 @@ impl Workspace {
         Ok(true)
     }
 
+    /// Whether the arena's regions may serve less than they map: no limit counts what they map,
+    /// and their pages cost memory only once touched.
+    fn lazily_resized(&self) -> bool {
+        self.limit.limit() == usize::MAX && self.route.lists && self.limit.faults_lazily()
+    }
+
     /// Applies a sizing; one that could not be applied (the limit, the system) is retried at the
-    /// next cycle end, and the cycle keeps the arena it has.
-    fn apply(&mut self, sizing: Sizing) -> Result<(), Error> {
+    /// next cycle end, and the cycle keeps the arena it has. `fresh`: a new region, not the
+    /// current one resized.
+    fn apply(&mut self, sizing: Sizing, fresh: bool) -> Result<(), Error> {
         let Sizing::Map { capacity, prefault } = sizing else { return Ok(()) };
-        match self.resize_arena(capacity, prefault) {
+        match self.resize_arena(capacity, prefault, fresh) {
             Ok(true) => Ok(()),
             Ok(false) => {
                 self.learner.retry_later(&self.config);
@@ -625,7 +635,7 @@ impl Workspace {
         self.check_alive()?;
         let current = self.regions.current_capacity();
         let sizing = self.learner.initialize(&self.config, current, self.route.arena);
-        self.apply(sizing)
+        self.apply(sizing, false)
     }
 
     // -- cycles ------------------------------------------------------------------------------------
@@ -793,23 +803,23 @@ impl Workspace {
             // region of the same size replaces it, and the old one keeps only the pages under them.
             sizing = Sizing::Map { capacity: current, prefault: self.learner.need };
         }
-        if let (Sizing::Map { capacity, .. }, Some(r)) = (sizing, self.regions.current()) {
-            // A smaller region would give nothing back where the cycles never touched more of
-            // this one than it is to serve (a region grown beside kept blocks, twice the need, and
-            // those blocks still live): it stays, rather than be replaced and pre-faulted anew,
-            // and what lives in it retired beside the new one.
-            let untouched = r.resident_end() <= capacity.saturating_add(capacity / 10);
-            if capacity < current
-                && r.live_blocks() > 0
-                && untouched
-                && r.mapped() <= capacity.saturating_mul(IN_PLACE_MAX)
-            {
+        if let (Sizing::Map { capacity, prefault }, Some(r)) = (sizing, self.regions.current()) {
+            // A smaller region gives nothing back where the cycles never touched more of this one
+            // than the new one would pre-fault (one grown twofold beside kept blocks), while
+            // blocks in it live (it cannot shrink where it lies): it stays, rather than a new one
+            // be mapped and pre-faulted beside it until they die.
+            let untouched = r.resident_end() <= prefault;
+            let small = r.mapped() <= capacity.saturating_mul(IN_PLACE_MAX);
+            if capacity < current && r.live_blocks() > 0 && untouched && small && self.lazily_resized() {
                 sizing = Sizing::Keep;
             }
         }
         // A failure to map leaves the workspace serving outside the arena; it retries next cycle.
-        let _ = self.apply(sizing);
-        self.cycles.remapped = self.regions.current().map(ArenaRegion::id) != region_before;
+        let _ = self.apply(sizing, apart);
+        // A new region, or the current one grown where it lies: the arena now serves what
+        // blocks of their own served.
+        self.cycles.remapped =
+            self.regions.current().map(ArenaRegion::id) != region_before || self.regions.current_capacity() > current;
         if self.cycles.remapped {
             // An arena now serves what blocks of their own served this cycle: the cached ones,
             // and what the block allocator keeps of the others, would only add to the arena.
@@ -885,17 +895,19 @@ impl Workspace {
     /// results kept then still live in it. Meanwhile the classes are apart all the same, and
     /// their kept blocks stay where they are.
     fn replace_for_apart(&mut self) -> bool {
-        self.apart.pending |= self.keep_apart();
+        let region = self.regions.current().map(ArenaRegion::id);
+        if self.keep_apart() {
+            self.apart.pending = region;
+        }
         let kept = self.cycles.kept_here;
         let a = &mut self.apart;
-        if !a.pending
-            || self.cycles.completed < a.next
-            || kept.1 == 0
-            || self.regions.current().map(ArenaRegion::id) != Some(kept.0)
-        {
+        if a.pending != region {
+            a.pending = None;
+        }
+        if a.pending.is_none() || self.cycles.completed < a.next || kept.1 == 0 || region != Some(kept.0) {
             return false;
         }
-        a.pending = false;
+        a.pending = None;
         a.wait = (a.wait * 2).clamp(APART_WAIT, MAX_HOLD);
         a.next = self.cycles.completed + a.wait;
         true
@@ -1494,7 +1506,9 @@ impl Workspace {
                 return None;
             }
             let kind = if Some(r.id()) == current { SegmentKind::Region } else { SegmentKind::Retired };
-            push(&mut out, Segment { kind, address: base, size: r.capacity(), blocks })?;
+            // What it maps, as the trace's segment events count it (more than it serves after
+            // a shrink in place).
+            push(&mut out, Segment { kind, address: base, size: r.mapped(), blocks })?;
         }
         let inline = self.own.inline();
         for (at, h) in self.own.each() {

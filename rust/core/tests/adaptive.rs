@@ -87,6 +87,9 @@ impl Backend for Recorder {
     fn discard_zeroes(&self) -> bool {
         self.upstream.discard_zeroes()
     }
+    fn faults_lazily(&self) -> bool {
+        self.upstream.faults_lazily()
+    }
     fn trim(&self) {
         self.trims.fetch_add(1, Ordering::Relaxed);
         self.upstream.trim()
@@ -796,9 +799,9 @@ fn the_block_allocators_free_memory_goes_back_before_a_workspaces_first_large_bl
 #[test]
 fn an_arena_that_follows_changing_needs_resizes_where_it_is() {
     // Needs that fall after larger cycles and rise again within what the arena mapped: where the
-    // backend's discarded pages read back as zeros, the region shrinks and grows back within its
-    // mapping, keeping what it has resident below, with no new mapping; elsewhere a new region
-    // replaces it each time.
+    // backend's memory costs nothing until touched and its discarded pages read back as zeros,
+    // the region shrinks and grows back within its mapping, with no new mapping; elsewhere a new
+    // region replaces it each time.
     for (name, b) in backends() {
         let r = Recorder::new(b.clone());
         let mut w = Workspace::with_backend("T", WorkspaceConfiguration::adaptive(), r.clone()).unwrap();
@@ -812,7 +815,7 @@ fn an_arena_that_follows_changing_needs_resizes_where_it_is() {
         }
         let small = w.stats().capacity_bytes;
         assert!(small > 0 && small < big / 2, "{name}: the arena shrank ({big} -> {small} bytes)");
-        let in_place = b.discard_zeroes() && b.host_accessible();
+        let in_place = b.discard_zeroes() && b.faults_lazily();
         assert_eq!(maps() == mapped, in_place, "{name}: {} regions mapped for the shrink", maps() - mapped);
         let mut spills = Vec::new();
         for _ in 0..4 {
@@ -831,7 +834,7 @@ fn an_arena_that_follows_changing_needs_resizes_where_it_is() {
 #[test]
 fn results_of_ever_new_sizes_replace_the_region_a_few_times_not_every_cycle() {
     // Each cycle keeps a result of a size no cycle kept before, beside the same temporaries:
-    // every cycle end puts a new class apart. The region is replaced for them at once the first
+    // most cycle ends put a new class apart (40 sizes, 25 classes). The region is replaced for them at once the first
     // time, then after waits that double, so that a loop whose kept sizes keep changing maps a
     // few regions, not one per cycle (each pre-faulted anew). What is apart stays apart.
     for (name, b) in backends() {
@@ -841,7 +844,7 @@ fn results_of_ever_new_sizes_replace_the_region_a_few_times_not_every_cycle() {
         let mut kept = Vec::new();
         for k in 0..cycles {
             w.enter().unwrap();
-            let size = 1100 + 700 * k; // a class of its own each cycle, all under 32 KiB
+            let size = 1100 + 700 * k; // all under 32 KiB
             let keep = w.alloc(size).unwrap();
             fill(keep.as_ptr(), size, k as u8);
             kept.push((keep, size, k as u8));
@@ -854,7 +857,10 @@ fn results_of_ever_new_sizes_replace_the_region_a_few_times_not_every_cycle() {
             w.exit().unwrap();
         }
         let maps = r.maps.load(Ordering::Relaxed);
-        assert!(maps <= 8, "{name}: {maps} regions mapped in {cycles} cycles");
+        // Memory taken whole when mapped (a file's reserved space, a device's) has its regions
+        // replaced by smaller ones as the need falls, as kept blocks let it.
+        let most = if b.faults_lazily() { 6 } else { 24 };
+        assert!(maps <= most, "{name}: {maps} regions mapped in {cycles} cycles");
         assert!(w.kept_apart().len() >= 10, "{name}: {} classes apart", w.kept_apart().len());
         for (p, size, v) in kept {
             assert!(intact(p.as_ptr(), size, v), "{name}: a kept result changed");
