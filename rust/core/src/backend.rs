@@ -391,6 +391,25 @@ fn mmap_checked(
     NonNull::new(p.cast()).ok_or(BackendError::refused("mmap", len, "the kernel returned null"))
 }
 
+/// The least time between two returns of the C heap's free memory ([`AnonymousMemory`]'s
+/// `trim`).
+pub const TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Whether the C heap's free memory may be returned now: no return in the last
+/// [`TRIM_INTERVAL`] (the first one always is). Claims the slot when it says yes.
+fn trim_due() -> bool {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    // Milliseconds after START of the last return, plus one (0: none yet).
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = START.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64 + 1;
+    let last = LAST.load(Ordering::Relaxed);
+    let interval = TRIM_INTERVAL.as_millis() as u64;
+    (last == 0 || now >= last + interval)
+        && LAST.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+}
+
 /// Anonymous private memory from `mmap`, with huge-page advice for large regions.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct AnonymousMemory;
@@ -438,11 +457,16 @@ impl Backend for AnonymousMemory {
         true
     }
 
+    /// At most once per [`TRIM_INTERVAL`] in the process: `malloc_trim` walks the whole C heap,
+    /// tens of milliseconds for a large fragmented one even when it finds nothing to return, and a
+    /// program making a workspace per thread or task would pay that for each.
     fn trim(&self) {
         #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: a plain glibc call without preconditions.
-        unsafe {
-            libc::malloc_trim(0);
+        if trim_due() {
+            // SAFETY: a plain glibc call without preconditions.
+            unsafe {
+                libc::malloc_trim(0);
+            }
         }
     }
 
@@ -1349,6 +1373,14 @@ mod tests {
                 b.free_block(q, len);
             }
         }
+    }
+
+    #[test]
+    fn the_c_heap_is_trimmed_at_most_once_an_interval() {
+        // Other tests may trim meanwhile: either way, the second of two calls in a row is due
+        // only an interval after the first.
+        let _ = trim_due();
+        assert!(!trim_due(), "a second return of the C heap's memory within {TRIM_INTERVAL:?}");
     }
 
     #[test]

@@ -157,15 +157,22 @@ struct Apart {
     /// The region in which classes were put apart since it was last replaced for them (none
     /// once another replaced it, their kept blocks retired with it).
     pending: Option<u64>,
-    /// The cycle from which the region may be replaced for classes put apart again, and the
-    /// cycles to wait after that: doubled at each replacement, so that a loop whose kept sizes
-    /// keep changing (every class a new one for a while) replaces its region a few times, not at
-    /// every cycle that keeps a size not seen before.
+    /// The cycle from which the region may be replaced for classes put apart again, the cycles
+    /// to wait after that, and the replacements so far. The first few come at once: a loop that
+    /// keeps results of a few sizes has them all apart within a few cycles, while kept blocks of
+    /// those sizes scattered through the arena would keep it from rewinding, and more of it
+    /// resident, until then. After them the wait doubles at each replacement, so that a loop
+    /// whose kept sizes keep changing (a new class at most cycle ends) replaces its region a few
+    /// more times, not at every cycle.
     next: u64,
     wait: u64,
+    replaced: u32,
 }
 
-/// The cycles between the first two replacements of a region for classes put apart.
+/// Replacements of a region for classes put apart that come at once.
+const APART_AT_ONCE: u32 = 4;
+
+/// The cycles to wait after those, before the next replacement.
 const APART_WAIT: u64 = NEED_WINDOW as u64;
 
 /// The cycles of a workspace: how many are open, how deep, and the pinning epoch.
@@ -891,8 +898,8 @@ impl Workspace {
 
     /// Puts apart the classes of results kept in the region ([`Workspace::keep_apart`]), and
     /// says whether the region is replaced now for those put apart since it last was: the first
-    /// time at once, then after a wait that doubles each time (up to [`MAX_HOLD`] cycles), if
-    /// results kept then still live in it. Meanwhile the classes are apart all the same, and
+    /// [`APART_AT_ONCE`] times at once, then after a wait that doubles each time (up to
+    /// [`MAX_HOLD`] cycles), if results kept then still live in it. Meanwhile the classes are apart all the same, and
     /// their kept blocks stay where they are.
     fn replace_for_apart(&mut self) -> bool {
         let region = self.regions.current().map(ArenaRegion::id);
@@ -908,8 +915,11 @@ impl Workspace {
             return false;
         }
         a.pending = None;
-        a.wait = (a.wait * 2).clamp(APART_WAIT, MAX_HOLD);
-        a.next = self.cycles.completed + a.wait;
+        a.replaced = a.replaced.saturating_add(1);
+        if a.replaced >= APART_AT_ONCE {
+            a.wait = (a.wait * 2).clamp(APART_WAIT, MAX_HOLD);
+            a.next = self.cycles.completed + a.wait;
+        }
         true
     }
 

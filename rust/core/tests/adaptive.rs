@@ -834,9 +834,10 @@ fn an_arena_that_follows_changing_needs_resizes_where_it_is() {
 #[test]
 fn results_of_ever_new_sizes_replace_the_region_a_few_times_not_every_cycle() {
     // Each cycle keeps a result of a size no cycle kept before, beside the same temporaries:
-    // most cycle ends put a new class apart (40 sizes, 25 classes). The region is replaced for them at once the first
-    // time, then after waits that double, so that a loop whose kept sizes keep changing maps a
-    // few regions, not one per cycle (each pre-faulted anew). What is apart stays apart.
+    // most cycle ends put a new class apart (40 sizes, 25 classes). The region is replaced for
+    // them at once the first few times, then after waits that double, so that a loop whose kept
+    // sizes keep changing maps a few regions, not one per cycle (each pre-faulted anew). What is
+    // apart stays apart.
     for (name, b) in backends() {
         let r = Recorder::new(b.clone());
         let mut w = Workspace::with_backend("T", WorkspaceConfiguration::adaptive(), r.clone()).unwrap();
@@ -859,7 +860,7 @@ fn results_of_ever_new_sizes_replace_the_region_a_few_times_not_every_cycle() {
         let maps = r.maps.load(Ordering::Relaxed);
         // Memory taken whole when mapped (a file's reserved space, a device's) has its regions
         // replaced by smaller ones as the need falls, as kept blocks let it.
-        let most = if b.faults_lazily() { 6 } else { 24 };
+        let most = if b.faults_lazily() { 8 } else { 24 };
         assert!(maps <= most, "{name}: {maps} regions mapped in {cycles} cycles");
         assert!(w.kept_apart().len() >= 10, "{name}: {} classes apart", w.kept_apart().len());
         for (p, size, v) in kept {
