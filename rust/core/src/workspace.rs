@@ -27,10 +27,11 @@
 //! profile without `max_size`, a cycle end that finds blocks of up to [`APART_MAX`] bytes pinned
 //! at an earlier one still live in the region puts their size classes apart ([`Apart`]): from
 //! then on those classes are served outside the arena, as results in a plain process are, a
-//! fresh region replaces the old one (at once the first time, then after waits that double: a
-//! loop whose kept sizes keep changing would replace it at every cycle), and the arena holds
-//! temporaries (and state each cycle replaces) only. Larger classes stay: the cycle's own large temporaries usually share them, and
-//! would leave the arena too while it stays sized for them. Under a limit, the arena and what is
+//! fresh region replaces the old one (at once the first few times, then after waits that
+//! double: a loop whose kept sizes keep changing would replace it at every cycle), and the arena
+//! holds temporaries (and state each cycle replaces) only. Larger classes stay: the cycle's own
+//! large temporaries usually share them, and would leave the arena too while it stays sized for
+//! them. Under a limit, the arena and what is
 //! served outside it share one budget, and a class moved out could find no room there.
 //!
 //! What a cycle never touched costs address space, not memory: a region pre-faults at most what
@@ -899,8 +900,8 @@ impl Workspace {
     /// Puts apart the classes of results kept in the region ([`Workspace::keep_apart`]), and
     /// says whether the region is replaced now for those put apart since it last was: the first
     /// [`APART_AT_ONCE`] times at once, then after a wait that doubles each time (up to
-    /// [`MAX_HOLD`] cycles), if results kept then still live in it. Meanwhile the classes are apart all the same, and
-    /// their kept blocks stay where they are.
+    /// [`MAX_HOLD`] cycles), if results kept then still live in it. Meanwhile the classes are
+    /// apart all the same, and their kept blocks stay where they are.
     fn replace_for_apart(&mut self) -> bool {
         let region = self.regions.current().map(ArenaRegion::id);
         if self.keep_apart() {
@@ -1146,7 +1147,7 @@ impl Workspace {
             // which NumPy's allocator would have reused. A block of its class, a header and a
             // page's alignment larger than NumPy's request, lies over the mapping threshold
             // glibc learned from NumPy's frees, so it is mapped fresh beside that memory: return
-            // the memory first, once.
+            // the memory first (once per workspace, and at most once a second in the process).
             self.cycles.trimmed = true;
             self.limit.upstream().trim();
         }
