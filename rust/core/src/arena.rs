@@ -37,6 +37,11 @@ pub const HEADER: usize = 64;
 /// that freed memory is looked for before more is touched.
 const TAIL_GRANT: usize = 2 << 20;
 
+/// Bytes from which a zeroed request carved from used memory is zeroed page by page as it is
+/// resident ([`ArenaRegion::zero_sparing`]) rather than written whole: a question to the system
+/// (a few microseconds) against a write of a megabyte or more.
+pub const ZERO_SPARING_MIN: usize = 1 << 20;
+
 /// Where the data of blocks of the classes from [`PAGE_ALIGNED_FROM`] on starts (see there).
 pub(crate) const LARGE_DATA_ALIGN: usize = 4096;
 
@@ -386,17 +391,55 @@ impl ArenaRegion {
     }
 
     /// Returns the whole pages of `[from, to)` (offsets within the mapping, holding no live
-    /// block) to the system.
-    fn discard_pages(&self, from: usize, to: usize) {
+    /// block) to the system. Returns whether the data's pages went back (or there were none).
+    fn discard_pages(&self, from: usize, to: usize) -> bool {
         let page = crate::backend::page_bytes();
         let (a, b) = (from.next_multiple_of(page), to.min(self.mapped) / page * page);
-        if a < b {
-            // SAFETY: `[a, b)` lies inside both mappings (offsets below `mapped`).
-            let (p, m) = unsafe { (self.data.add(a), self.meta.add(a)) };
-            self.backend.discard(p, b - a);
-            if m != p {
-                AnonymousMemory.discard(m, b - a);
+        if a >= b {
+            return true;
+        }
+        // SAFETY: `[a, b)` lies inside both mappings (offsets below `mapped`).
+        let (p, m) = unsafe { (self.data.add(a), self.meta.add(a)) };
+        if m != p {
+            AnonymousMemory.discard(m, b - a);
+        }
+        self.backend.discard(p, b - a)
+    }
+
+    /// Zero-fills the `len` bytes at `p`, a block just carved from this region, without making
+    /// more of it resident: pages resident now are written, the others go back to the system
+    /// (anonymous memory reads them back as zeros), so that they take no room until written, as
+    /// the fresh pages NumPy's `np.zeros` of a large array gets from the C heap. The partial
+    /// pages at its ends are written. Returns false where the backend or the system cannot (some
+    /// of the block may be zero already): the caller writes the block.
+    #[cold]
+    pub fn zero_sparing(&self, p: NonNull<u8>, len: usize) -> bool {
+        let page = crate::backend::page_bytes();
+        let start = p.as_ptr() as usize;
+        let (a, b) = (start.next_multiple_of(page), (start + len) / page * page);
+        if a >= b || !self.backend.discard_zeroes() || self.meta != self.data {
+            return false;
+        }
+        // SAFETY: `a` lies in the mapping (inside the caller's block), so it is not null.
+        let pages = unsafe { NonNull::new_unchecked(a as *mut u8) };
+        // Whole pages inside the block: its header and its neighbours' lie outside them.
+        let mut written = true;
+        let known = crate::backend::resident_runs(pages, b - a, |off, n, resident| {
+            // SAFETY: `a + off` lies inside the caller's block, so it is not null.
+            let run = unsafe { NonNull::new_unchecked((a + off) as *mut u8) };
+            if resident || !self.backend.discard(run, n) {
+                // SAFETY: `[a + off, + n)` lies inside the caller's block.
+                written &= unsafe { self.backend.zero(run, n) }.is_ok();
             }
+        });
+        if !known || !written {
+            return false;
+        }
+        // SAFETY: `[start, a)` and `[b, start + len)` lie inside the caller's block; `b` is not
+        // null (it lies at or after `a`).
+        unsafe {
+            let end = NonNull::new_unchecked(b as *mut u8);
+            self.backend.zero(p, a - start).is_ok() && self.backend.zero(end, start + len - b).is_ok()
         }
     }
 
@@ -416,7 +459,10 @@ impl ArenaRegion {
             }
             self.rewind();
             let resident = self.dirty_end.max(self.prefaulted);
-            self.discard_pages(capacity, resident.next_multiple_of(page));
+            if !self.discard_pages(capacity, resident.next_multiple_of(page)) {
+                // The pages above keep their bytes: a growth back must not take them for zeros.
+                return false;
+            }
             self.dirty_end = self.dirty_end.min(capacity);
             self.prefaulted = self.prefaulted.min(capacity);
             self.capacity = capacity;

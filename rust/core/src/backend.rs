@@ -223,10 +223,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 
     /// Tells the backend that `[ptr, ptr + len)` of a mapped region holds nothing of value; it
-    /// may return the pages to the system (they read as zero, or their old contents, afterwards).
-    /// `ptr` and `len` are page-aligned. The default keeps them.
-    fn discard(&self, ptr: NonNull<u8>, len: usize) {
+    /// may return the pages to the system (they read as zero where [`Backend::discard_zeroes`],
+    /// or their old contents, afterwards). `ptr` and `len` are page-aligned. Returns whether the
+    /// pages went back: where they did not (the default keeps them; the system may refuse, as
+    /// for locked memory), they keep their bytes.
+    fn discard(&self, ptr: NonNull<u8>, len: usize) -> bool {
         let _ = (ptr, len);
+        false
     }
 }
 
@@ -364,6 +367,48 @@ fn prefault(ptr: NonNull<u8>, len: usize) {
     let _ = try_prefault(ptr, len);
 }
 
+/// Pages asked about per `mincore` call: its answer, a byte a page, fits on the stack.
+const RESIDENCY_BATCH: usize = 4096;
+
+/// Calls `run(offset, len, resident)` for each run of pages of `[ptr, ptr + len)` (page-aligned)
+/// alike in whether they are resident now, in address order. Returns false where the system
+/// cannot say (then `run` may have been called for a prefix only). Under Miri, which has no
+/// `mincore`, never says.
+pub(crate) fn resident_runs(ptr: NonNull<u8>, len: usize, mut run: impl FnMut(usize, usize, bool)) -> bool {
+    if cfg!(miri) {
+        return false;
+    }
+    let page = page_size();
+    debug_assert!(ptr.as_ptr() as usize % page == 0 && len % page == 0);
+    let mut vec = [0u8; RESIDENCY_BATCH];
+    let (mut done, mut open): (usize, Option<(usize, bool)>) = (0, None);
+    while done < len {
+        let n = ((len - done) / page).min(RESIDENCY_BATCH);
+        // SAFETY: `[ptr + done, + n pages)` lies in the caller's page-aligned range, and `vec`
+        // holds a byte for each of its pages.
+        let rc = unsafe { libc::mincore(ptr.as_ptr().add(done).cast(), n * page, vec.as_mut_ptr()) };
+        if rc != 0 {
+            return false;
+        }
+        for (i, v) in vec[..n].iter().enumerate() {
+            let (at, resident) = (done + i * page, v & 1 == 1);
+            match open {
+                Some((_, r)) if r == resident => {}
+                Some((from, r)) => {
+                    run(from, at - from, r);
+                    open = Some((at, resident));
+                }
+                None => open = Some((at, resident)),
+            }
+        }
+        done += n * page;
+    }
+    if let Some((from, r)) = open {
+        run(from, len - from, r);
+    }
+    true
+}
+
 /// Refuses lengths no backend maps: 0 (a region holds at least one block header) and more than
 /// an address space holds.
 fn check_map_len(len: usize) -> Result<(), BackendError> {
@@ -438,10 +483,10 @@ impl Backend for AnonymousMemory {
         unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
     }
 
-    fn discard(&self, ptr: NonNull<u8>, len: usize) {
+    fn discard(&self, ptr: NonNull<u8>, len: usize) -> bool {
         // SAFETY: the caller passes page-aligned memory of one of our mappings that holds no live
         // data; for private anonymous memory the pages are dropped and read back as zeros.
-        unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTNEED) };
+        unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTNEED) == 0 }
     }
 
     fn populate(&self, ptr: NonNull<u8>, len: usize) {
@@ -1191,8 +1236,8 @@ impl Backend for LimitAdaptor {
         self.upstream.host_accessible()
     }
 
-    fn discard(&self, ptr: NonNull<u8>, len: usize) {
-        self.upstream.discard(ptr, len);
+    fn discard(&self, ptr: NonNull<u8>, len: usize) -> bool {
+        self.upstream.discard(ptr, len)
     }
 
     fn discard_zeroes(&self) -> bool {
@@ -1325,8 +1370,8 @@ impl Backend for FaultAdaptor {
         self.upstream.faults_lazily()
     }
 
-    fn discard(&self, ptr: NonNull<u8>, len: usize) {
-        self.upstream.discard(ptr, len);
+    fn discard(&self, ptr: NonNull<u8>, len: usize) -> bool {
+        self.upstream.discard(ptr, len)
     }
 
     forward_data_access!();

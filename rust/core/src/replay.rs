@@ -83,8 +83,8 @@ impl Backend for AddressSpaceOnly {
         unsafe { AnonymousMemory.free_block(ptr, len) }
     }
 
-    fn discard(&self, ptr: NonNull<u8>, len: usize) {
-        AnonymousMemory.discard(ptr, len);
+    fn discard(&self, ptr: NonNull<u8>, len: usize) -> bool {
+        AnonymousMemory.discard(ptr, len)
     }
 
     fn discard_zeroes(&self) -> bool {

@@ -45,6 +45,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::accounts::{Accounts, CycleReport, WorkspaceStats};
+use crate::arena::ZERO_SPARING_MIN;
 use crate::arena::{is_live_arena, live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
 use crate::backend::{available_memory, round_to_page, AnonymousMemory, Backend, FileMappedMemory, LimitAdaptor};
 use crate::backend::{page_bytes, BLOCK_ALIGN};
@@ -1054,9 +1055,13 @@ impl Workspace {
         let (p, slot, off) = region.take(req.class, req.slot, req.size, self.cycles.epoch)?;
         // Host memory is zero-filled when mapped: never-carved memory needs no write.
         let clear = req.zeroed && !(inline && region.is_fresh(off));
+        // A large one is zeroed without making more of it resident (its pages not resident now
+        // go back to the system): as large as NumPy's `np.zeros` (fresh pages of the C heap),
+        // however little of it is written.
+        let cleared = clear && inline && req.size >= ZERO_SPARING_MIN && region.zero_sparing(p, req.size);
         self.accounts.count_arena(req.size, slot);
         // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
-        if clear && unsafe { self.limit.zero(p, req.size) }.is_err() {
+        if clear && !cleared && unsafe { self.limit.zero(p, req.size) }.is_err() {
             // A fill the device refused: the block goes back, and the request is served outside
             // the arena, where a refused fill is an error.
             // SAFETY: `p` was handed out just above and never reached the caller.
@@ -1180,8 +1185,11 @@ impl Workspace {
         let reusable = !req.zeroed || self.limit.upstream().discard_zeroes();
         let (at, len) = match reusable.then(|| self.huge.take(len)).flatten() {
             Some((at, len)) => {
-                if req.zeroed {
-                    self.limit.discard(at, len);
+                if req.zeroed && !self.limit.discard(at, len) {
+                    // The system kept the pages (locked memory): they are written instead.
+                    // SAFETY: `at` is a mapping of `len` bytes of our own, host memory (its
+                    // backend discards to zeros), that nothing references.
+                    unsafe { std::ptr::write_bytes(at.as_ptr(), 0, len) };
                 }
                 (at, len)
             }

@@ -81,7 +81,7 @@ impl Backend for Recorder {
         self.populated.fetch_add(len, Ordering::Relaxed);
         self.upstream.populate(ptr, len)
     }
-    fn discard(&self, ptr: NonNull<u8>, len: usize) {
+    fn discard(&self, ptr: NonNull<u8>, len: usize) -> bool {
         self.upstream.discard(ptr, len)
     }
     fn discard_zeroes(&self) -> bool {

@@ -64,3 +64,43 @@ fn large_zeroed_blocks_outside_the_arena_are_not_written() {
         w.exit().unwrap();
     }
 }
+
+/// A large zeroed request carved from arena memory that served before makes no more of it
+/// resident: the pages resident then are written, the others go back to the system (they read
+/// as zeros), so that `np.zeros` of a large array, sparsely written each cycle, stays as small as
+/// NumPy's fresh pages. Every byte reads zero, the ones an earlier block wrote included.
+#[test]
+fn large_zeroed_blocks_from_used_arena_memory_stay_as_resident_as_they_were() {
+    let len = 16 * MIB;
+    let config = WorkspaceConfiguration {
+        initial_size: 64 * MIB as u64,
+        policy_learning: LearningPolicy::None,
+        ..Default::default()
+    };
+    let mut w = Workspace::new("sparing", config).unwrap();
+    let counted = !cfg!(rustws_tsan);
+    w.enter().unwrap();
+    let first = w.alloc_zeroed(len).unwrap();
+    fill(first.as_ptr(), len, 0xAB);
+    // Pages the block no longer holds, as the system takes them back: all but the first MiB
+    // and the last (a pre-faulted arena starts with every page resident).
+    let gone = (first.as_ptr() as usize + MIB).next_multiple_of(4096);
+    // SAFETY: whole pages inside the live block, whose bytes this test owns.
+    assert_eq!(unsafe { libc::madvise(gone as *mut libc::c_void, len - 2 * MIB, libc::MADV_DONTNEED) }, 0);
+    let before = resident_pages(first, len);
+    assert!(!counted || before < 2 * 512 + 16, "only the ends are resident: {before} pages");
+    // SAFETY: live, freed once.
+    unsafe { w.free(first) };
+    w.exit().unwrap();
+    w.enter().unwrap();
+    let again = w.alloc_zeroed(len).unwrap();
+    assert_eq!(again, first, "the arena serves the same memory again");
+    let after = resident_pages(again, len);
+    assert!(!counted || after <= before, "zeroing made more resident: {before} -> {after} pages");
+    // SAFETY: `len` bytes of a live block of ours.
+    let bytes = unsafe { std::slice::from_raw_parts(again.as_ptr(), len) };
+    assert!(bytes.iter().all(|b| *b == 0), "not zero");
+    // SAFETY: live, freed once.
+    unsafe { w.free(again) };
+    w.exit().unwrap();
+}
