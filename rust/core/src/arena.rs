@@ -412,8 +412,12 @@ impl ArenaRegion {
     /// the fresh pages NumPy's `np.zeros` of a large array gets from the C heap. The partial
     /// pages at its ends are written. Returns false where the backend or the system cannot (some
     /// of the block may be zero already): the caller writes the block.
+    ///
+    /// # Safety
+    /// `[p, p + len)` is the data of a block just carved from this region, owned by the caller:
+    /// its bytes are written or given back.
     #[cold]
-    pub fn zero_sparing(&self, p: NonNull<u8>, len: usize) -> bool {
+    pub unsafe fn zero_sparing(&self, p: NonNull<u8>, len: usize) -> bool {
         let page = crate::backend::page_bytes();
         let start = p.as_ptr() as usize;
         let (a, b) = (start.next_multiple_of(page), (start + len) / page * page);
@@ -1080,7 +1084,10 @@ impl ArenaRegion {
         }
         self.close_hole();
         let page = crate::backend::page_bytes();
-        let discard = Self::discard_pages;
+        // Nothing is carved here again: a page the system kept is only memory not given back.
+        let discard = |r: &Self, from, to| {
+            let _ = r.discard_pages(from, to);
+        };
         let mut pos = 0;
         while pos < self.top {
             let h = self.header_at(pos);

@@ -225,8 +225,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Tells the backend that `[ptr, ptr + len)` of a mapped region holds nothing of value; it
     /// may return the pages to the system (they read as zero where [`Backend::discard_zeroes`],
     /// or their old contents, afterwards). `ptr` and `len` are page-aligned. Returns whether the
-    /// pages went back: where they did not (the default keeps them; the system may refuse, as
-    /// for locked memory), they keep their bytes.
+    /// pages went back: false where the backend keeps them (the default) or the system refused
+    /// (locked memory), and then any of them may keep its bytes.
     fn discard(&self, ptr: NonNull<u8>, len: usize) -> bool {
         let _ = (ptr, len);
         false
@@ -1372,6 +1372,10 @@ impl Backend for FaultAdaptor {
 
     fn discard(&self, ptr: NonNull<u8>, len: usize) -> bool {
         self.upstream.discard(ptr, len)
+    }
+
+    fn discard_zeroes(&self) -> bool {
+        self.upstream.discard_zeroes()
     }
 
     forward_data_access!();

@@ -1058,7 +1058,8 @@ impl Workspace {
         // A large one is zeroed without making more of it resident (its pages not resident now
         // go back to the system): as large as NumPy's `np.zeros` (fresh pages of the C heap),
         // however little of it is written.
-        let cleared = clear && inline && req.size >= ZERO_SPARING_MIN && region.zero_sparing(p, req.size);
+        // SAFETY: `p` is the data of the block just carved, of `size` bytes, not yet handed out.
+        let cleared = clear && inline && req.size >= ZERO_SPARING_MIN && unsafe { region.zero_sparing(p, req.size) };
         self.accounts.count_arena(req.size, slot);
         // SAFETY: `p` is valid for `size` bytes of the backend's memory, just handed out.
         if clear && !cleared && unsafe { self.limit.zero(p, req.size) }.is_err() {

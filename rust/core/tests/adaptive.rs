@@ -6,7 +6,7 @@
 mod common;
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::{backends, fill, intact, miri_or};
@@ -27,6 +27,9 @@ struct Recorder {
     trims: AtomicUsize,
     /// Regions mapped.
     maps: AtomicUsize,
+    /// Bytes given back (or refused), and whether the system is to refuse (locked memory).
+    discarded: AtomicUsize,
+    refuse_discard: AtomicBool,
 }
 
 impl Recorder {
@@ -38,6 +41,8 @@ impl Recorder {
             blocks: AtomicUsize::new(0),
             trims: AtomicUsize::new(0),
             maps: AtomicUsize::new(0),
+            discarded: AtomicUsize::new(0),
+            refuse_discard: AtomicBool::new(false),
         })
     }
 }
@@ -82,7 +87,8 @@ impl Backend for Recorder {
         self.upstream.populate(ptr, len)
     }
     fn discard(&self, ptr: NonNull<u8>, len: usize) -> bool {
-        self.upstream.discard(ptr, len)
+        self.discarded.fetch_add(len, Ordering::Relaxed);
+        !self.refuse_discard.load(Ordering::Relaxed) && self.upstream.discard(ptr, len)
     }
     fn discard_zeroes(&self) -> bool {
         self.upstream.discard_zeroes()
@@ -267,6 +273,60 @@ fn state_a_loop_replaces_is_never_resident_twice_when_the_arena_is_sized() {
             unsafe { w.free(p) };
         }
         w.verify();
+    }
+}
+
+/// A large zeroed request from used arena memory is zeroed as it is resident: the pages the
+/// system holds are written, the others given back (they read as zeros); where the system keeps
+/// them (locked memory), all are written. Every byte reads zero, a partial last page included.
+#[test]
+#[cfg_attr(miri, ignore = "no mincore there, and discarded pages keep their bytes")]
+fn large_zeroed_blocks_from_used_memory_write_what_is_resident_and_give_back_the_rest() {
+    let size = 4 * MIB + 100;
+    let page = rustws_core::backend::page_bytes();
+    for refuse in [false, true] {
+        let rec = Recorder::new(Arc::new(AnonymousMemory));
+        rec.refuse_discard.store(refuse, Ordering::Relaxed);
+        let c = WorkspaceConfiguration {
+            initial_size: 16 * MIB as u64,
+            policy_learning: LearningPolicy::None,
+            ..Default::default()
+        };
+        let backend: Arc<dyn Backend> = rec.clone();
+        let mut w = Workspace::with_backend("sparing", c, backend).unwrap();
+        w.enter().unwrap();
+        let a = w.alloc(size).unwrap();
+        let start = a.as_ptr() as usize;
+        let (from, to) = ((start + MIB).next_multiple_of(page), (start + 3 * MIB) / page * page);
+        // SAFETY: whole pages inside the live block, whose bytes this test owns: small pages
+        // (khugepaged would make more of them resident again), then the middle given back, as
+        // the system takes pages back.
+        unsafe {
+            libc::madvise(start.next_multiple_of(page) as *mut libc::c_void, 4 * MIB, libc::MADV_NOHUGEPAGE);
+        }
+        fill(a.as_ptr(), size, 7);
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_DONTNEED) }, 0);
+        // SAFETY: live, freed once.
+        unsafe { w.free(a) };
+        w.exit().unwrap();
+        let (zeroed, discarded) = (rec.zeroed.load(Ordering::Relaxed), rec.discarded.load(Ordering::Relaxed));
+        w.enter().unwrap();
+        let b = w.alloc_zeroed(size).unwrap();
+        assert_eq!(b, a, "the same memory serves again");
+        // SAFETY: a live block of `size` bytes.
+        assert!(unsafe { std::slice::from_raw_parts(b.as_ptr(), size) }.iter().all(|&x| x == 0), "refuse {refuse}");
+        let written = rec.zeroed.load(Ordering::Relaxed) - zeroed;
+        let asked = rec.discarded.load(Ordering::Relaxed) - discarded;
+        assert!(asked >= to - from, "refuse {refuse}: what is not resident is given back: {asked}");
+        if refuse {
+            assert_eq!(written, size, "the system kept the pages: all are written");
+        } else {
+            assert!(written <= size - (to - from), "resident pages only are written: {written}");
+        }
+        // SAFETY: live, freed once.
+        unsafe { w.free(b) };
+        w.exit().unwrap();
     }
 }
 
