@@ -37,6 +37,16 @@ pub const HEADER: usize = 64;
 /// that freed memory is looked for before more is touched.
 const TAIL_GRANT: usize = 2 << 20;
 
+/// Free blocks from this size on, freed in the last [`LARGE_KEPT_FOR`] rewinds, are kept whole
+/// for requests of their size class (or for large ones): smaller requests neither merge them
+/// into runs nor carve them from the hole. A large temporary of a cycle that recurs every few
+/// cycles then finds its block again, rather than a new place past the small blocks that cut
+/// it up meanwhile (which keep the whole of it resident, around what they use).
+pub const LARGE_KEPT: usize = 8 << 20;
+
+/// Rewinds (cycle ends) a free block of [`LARGE_KEPT`] bytes or more is kept whole.
+pub const LARGE_KEPT_FOR: u64 = 64;
+
 /// Bytes from which a zeroed request carved from used memory is zeroed page by page as it is
 /// resident ([`ArenaRegion::zero_sparing`]) rather than written whole: a question to the system
 /// (a few microseconds) against a write of a megabyte or more.
@@ -167,6 +177,13 @@ impl FreeLists {
     }
 }
 
+/// What a free arena block's header keeps in its first link (which arena blocks use for nothing
+/// else): the region's clock when it was freed.
+#[inline(always)]
+fn freed_at(clock: u64) -> *mut u8 {
+    std::ptr::without_provenance_mut(clock as usize)
+}
+
 /// The class of a block by its slot; slots are always a class size plus a header.
 #[inline]
 fn slot_class(slot: usize) -> usize {
@@ -273,6 +290,8 @@ pub struct ArenaRegion {
     prefaulted: usize,
     /// The LIFO free lists by class; None in a circular region.
     lists: Option<Box<FreeLists>>,
+    /// Rewinds so far (cycle ends): the clock by which free blocks say when they were freed.
+    clock: u64,
     /// Whether the data of free blocks is poisoned for AddressSanitizer (host memory only).
     poisons: bool,
 }
@@ -332,6 +351,7 @@ impl ArenaRegion {
             dirty_end: 0,
             prefaulted: 0,
             lists,
+            clock: 0,
             poisons: meta == data,
         };
         region.take_tail(0);
@@ -556,7 +576,7 @@ impl ArenaRegion {
                 slot,
                 requested: 0,
                 generation: 0,
-                links: [std::ptr::null_mut(); 2],
+                links: [freed_at(self.clock), std::ptr::null_mut()],
             })
         };
     }
@@ -758,6 +778,16 @@ impl ArenaRegion {
         h
     }
 
+    /// Whether the free block at `off` is kept whole for requests of its size
+    /// ([`LARGE_KEPT`]): a listed one, freed in the last [`LARGE_KEPT_FOR`] rewinds.
+    #[inline]
+    fn kept_whole(&self, off: usize) -> bool {
+        let h = self.header_at(off);
+        h.slot >= LARGE_KEPT
+            && self.is_listed(off)
+            && self.clock.saturating_sub(h.links[0].addr() as u64) < LARGE_KEPT_FOR
+    }
+
     /// Whether the free header at `off` is on a list now (listed under the current epoch).
     fn is_listed(&self, off: usize) -> bool {
         let h = self.header_at(off);
@@ -817,13 +847,13 @@ impl ArenaRegion {
     /// The end of the run of freed blocks that starts at `pos` (at most the chain end), taking
     /// the listed ones off their lists (the run is merged); None when a header on the way is
     /// implausible.
-    fn free_run_end(&mut self, mut pos: usize) -> Option<usize> {
+    fn free_run_end(&mut self, mut pos: usize, small: bool) -> Option<usize> {
         while pos < self.top {
             let h = self.header_at(pos);
             if !self.plausible(pos, h) {
                 return None;
             }
-            if h.is_live() {
+            if h.is_live() || (small && self.kept_whole(pos)) {
                 break;
             }
             let slot = h.slot;
@@ -853,6 +883,7 @@ impl ArenaRegion {
         let mut tail_fallback = false;
         // Whether every block from `live_prefix` to `pos` was live: the prefix then grows.
         let mut extending = pos == self.live_prefix;
+        let small = need < LARGE_KEPT;
         loop {
             if wrapped && pos >= start {
                 if tail_fallback {
@@ -890,8 +921,12 @@ impl ArenaRegion {
                 continue;
             }
             extending = false;
+            if small && self.kept_whole(pos) {
+                pos += self.header_at(pos).slot;
+                continue;
+            }
             let run_start = pos;
-            let Some(end) = self.free_run_end(pos) else { break };
+            let Some(end) = self.free_run_end(pos, small) else { break };
             pos = end;
             if pos >= self.top {
                 // The run reaches the chain end: it joins the never-carved tail.
@@ -944,6 +979,7 @@ impl ArenaRegion {
         let (slot, class) = (h.slot, h.class as usize);
         self.live_blocks -= 1;
         h.magic = MAGIC_FREE;
+        h.links[0] = freed_at(self.clock);
         self.poison(off + HEADER, slot - HEADER);
         self.live_prefix = self.live_prefix.min(off);
         // Its memory was used: a zeroed request served from it must be written.
@@ -961,6 +997,7 @@ impl ArenaRegion {
     /// Rewinds at a cycle end. With nothing live this is O(1); otherwise the next allocation
     /// walks from the start around the pinned blocks.
     pub fn rewind(&mut self) {
+        self.clock += 1;
         if self.live_blocks == 0 {
             self.dirty_end = self.carved_end();
             self.top = 0;
@@ -1099,7 +1136,7 @@ impl ArenaRegion {
                 continue;
             }
             let run_start = pos;
-            let Some(end) = self.free_run_end(pos) else { return };
+            let Some(end) = self.free_run_end(pos, false) else { return };
             pos = end;
             if pos >= self.top {
                 self.top = run_start;
@@ -1226,6 +1263,33 @@ mod tests {
         let more: Vec<_> = std::iter::from_fn(|| take(&mut r, 3000)).collect();
         assert_eq!(small.len() + more.len(), all.len(), "the whole mapping serves again");
         for p in small.into_iter().chain(more) {
+            free(&mut r, p);
+        }
+        assert_eq!(r.verify(), 0);
+    }
+
+    #[test]
+    fn a_large_free_block_stays_whole_for_its_size_a_while() {
+        let (big, small) = (LARGE_KEPT, 100 << 10);
+        let cap = (slot_for(big).unwrap() + 4 * slot_for(small).unwrap()).next_multiple_of(BLOCK_ALIGN);
+        let mut r = ArenaRegion::new(1, 7, cap, Arc::new(HeapMemory), true).expect("a test region");
+        let b = take(&mut r, big).unwrap();
+        let kept: Vec<_> = std::iter::from_fn(|| take(&mut r, small)).collect();
+        assert!(!kept.is_empty());
+        free(&mut r, b);
+        r.rewind();
+        assert_eq!(take(&mut r, small), None, "a smaller request does not cut up the large free block");
+        assert_eq!(take(&mut r, big), Some(b), "its size finds it whole");
+        free(&mut r, b);
+        for _ in 0..LARGE_KEPT_FOR {
+            r.rewind();
+        }
+        let p = take(&mut r, small).expect("unused that long, it serves smaller requests");
+        // The run it lies in starts with the filler that page-aligns its data.
+        let (at, from) = (p.as_ptr() as usize, b.as_ptr() as usize - LARGE_DATA_ALIGN);
+        assert!(at >= from && at < from + big, "from the large block's memory");
+        free(&mut r, p);
+        for p in kept {
             free(&mut r, p);
         }
         assert_eq!(r.verify(), 0);
