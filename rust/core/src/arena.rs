@@ -109,7 +109,8 @@ pub struct BlockHeader {
     /// For blocks of their own whose header sits in front of them (outside the arena): the data
     /// of the previous and next such block of the workspace (null: none), the list by which an
     /// address is found to lie in the workspace's memory. For a cached block of its own: null and
-    /// the next cached block of its class. Null elsewhere.
+    /// the next cached block of its class. For a free arena block: the region's clock when it
+    /// was freed (see [`LARGE_KEPT`]). Null elsewhere.
     pub links: [*mut u8; 2],
 }
 
@@ -292,6 +293,13 @@ pub struct ArenaRegion {
     lists: Option<Box<FreeLists>>,
     /// Rewinds so far (cycle ends): the clock by which free blocks say when they were freed.
     clock: u64,
+    /// Bytes of the large free blocks kept whole that a fruitless walk stepped over, and the
+    /// clock at which the first of them stops being kept: counted as freed then, so that a walk
+    /// looks at them again (a fruitless walk counts what it found as looked at).
+    kept_skipped: (usize, u64),
+    /// Whether nothing was live at the last rewind (or there was none yet): the region started
+    /// over at its start.
+    started_over: bool,
     /// Whether the data of free blocks is poisoned for AddressSanitizer (host memory only).
     poisons: bool,
 }
@@ -352,6 +360,8 @@ impl ArenaRegion {
             prefaulted: 0,
             lists,
             clock: 0,
+            kept_skipped: (0, 0),
+            started_over: true,
             poisons: meta == data,
         };
         region.take_tail(0);
@@ -782,10 +792,22 @@ impl ArenaRegion {
     /// ([`LARGE_KEPT`]): a listed one, freed in the last [`LARGE_KEPT_FOR`] rewinds.
     #[inline]
     fn kept_whole(&self, off: usize) -> bool {
+        self.kept_until(off).is_some()
+    }
+
+    /// The clock at which the free block at `off` stops being kept whole, if it is now: a listed
+    /// block of at least [`LARGE_KEPT`] bytes freed fewer than [`LARGE_KEPT_FOR`] rewinds ago,
+    /// in a region that blocks kept live stopped from starting over at the last rewind (one that
+    /// started over empties its lists at the next: nothing is kept across it).
+    #[inline]
+    fn kept_until(&self, off: usize) -> Option<u64> {
+        if self.started_over {
+            return None;
+        }
         let h = self.header_at(off);
-        h.slot >= LARGE_KEPT
-            && self.is_listed(off)
-            && self.clock.saturating_sub(h.links[0].addr() as u64) < LARGE_KEPT_FOR
+        let freed = h.links[0].addr() as u64;
+        let kept = h.slot >= LARGE_KEPT && self.is_listed(off);
+        (kept && self.clock.saturating_sub(freed) < LARGE_KEPT_FOR).then_some(freed + LARGE_KEPT_FOR)
     }
 
     /// Whether the free header at `off` is on a list now (listed under the current epoch).
@@ -884,10 +906,13 @@ impl ArenaRegion {
         // Whether every block from `live_prefix` to `pos` was live: the prefix then grows.
         let mut extending = pos == self.live_prefix;
         let small = need < LARGE_KEPT;
+        // Large free blocks kept whole that the walk stepped over, and when the first expires.
+        let mut skipped = (0, u64::MAX);
         loop {
             if wrapped && pos >= start {
                 if tail_fallback {
                     self.freed_since_scan = 0;
+                    self.keep_skipped(skipped);
                     return self.take_tail(need);
                 }
                 break;
@@ -921,8 +946,10 @@ impl ArenaRegion {
                 continue;
             }
             extending = false;
-            if small && self.kept_whole(pos) {
-                pos += self.header_at(pos).slot;
+            if let Some(until) = small.then(|| self.kept_until(pos)).flatten() {
+                let slot = self.header_at(pos).slot;
+                skipped = (skipped.0 + slot, skipped.1.min(until));
+                pos += slot;
                 continue;
             }
             let run_start = pos;
@@ -946,10 +973,20 @@ impl ArenaRegion {
             self.write_free_header(run_start, pos - run_start);
         }
         self.freed_since_scan = 0;
+        self.keep_skipped(skipped);
         self.cursor = self.top;
         self.limit = self.top;
         self.tail = false;
         false
+    }
+
+    /// Notes the large free blocks a fruitless walk stepped over ([`ArenaRegion::kept_skipped`]);
+    /// a walk that met none (it did not wrap to them) leaves the note as it was. A note of blocks
+    /// taken since only makes a walk come sooner.
+    fn keep_skipped(&mut self, skipped: (usize, u64)) {
+        if skipped.0 > 0 {
+            self.kept_skipped = skipped;
+        }
     }
 
     /// Makes the never-carved tail `[top, capacity)` the current hole: up to the end of what
@@ -998,6 +1035,11 @@ impl ArenaRegion {
     /// walks from the start around the pinned blocks.
     pub fn rewind(&mut self) {
         self.clock += 1;
+        self.started_over = self.live_blocks == 0;
+        if self.kept_skipped.0 > 0 && self.clock >= self.kept_skipped.1 {
+            // Large blocks a fruitless walk stepped over are kept whole no more: walks look again.
+            self.freed_since_scan += std::mem::take(&mut self.kept_skipped).0;
+        }
         if self.live_blocks == 0 {
             self.dirty_end = self.carved_end();
             self.top = 0;
@@ -1271,27 +1313,55 @@ mod tests {
     #[test]
     fn a_large_free_block_stays_whole_for_its_size_a_while() {
         let (big, small) = (LARGE_KEPT, 100 << 10);
-        let cap = (slot_for(big).unwrap() + 4 * slot_for(small).unwrap()).next_multiple_of(BLOCK_ALIGN);
-        let mut r = ArenaRegion::new(1, 7, cap, Arc::new(HeapMemory), true).expect("a test region");
-        let b = take(&mut r, big).unwrap();
-        let kept: Vec<_> = std::iter::from_fn(|| take(&mut r, small)).collect();
-        assert!(!kept.is_empty());
+        // A region holding a large block, then small ones kept live up to its end.
+        let setup = || {
+            let cap = (slot_for(big).unwrap() + 4 * slot_for(small).unwrap()).next_multiple_of(BLOCK_ALIGN);
+            let mut r = ArenaRegion::new(1, 7, cap, Arc::new(HeapMemory), true).expect("a test region");
+            let b = take(&mut r, big).unwrap();
+            let kept: Vec<_> = std::iter::from_fn(|| take(&mut r, small)).collect();
+            assert!(!kept.is_empty());
+            (r, b, kept)
+        };
+        // The run it lies in starts with the filler that page-aligns its data.
+        let inside = |p: NonNull<u8>, b: NonNull<u8>| {
+            let (at, from) = (p.as_ptr() as usize, b.as_ptr() as usize - LARGE_DATA_ALIGN);
+            at >= from && at < from + big
+        };
+        let done = |mut r: ArenaRegion, kept: Vec<NonNull<u8>>, p: NonNull<u8>| {
+            for q in kept.into_iter().chain([p]) {
+                free(&mut r, q);
+            }
+            assert_eq!(r.verify(), 0);
+        };
+
+        // In a region that started over at the last rewind, smaller requests use it: its lists
+        // empty at the next.
+        let (mut r, b, kept) = setup();
         free(&mut r, b);
+        let p = take(&mut r, small).expect("nothing kept across a start over: it serves smaller requests");
+        assert!(inside(p, b));
+        done(r, kept, p);
+
+        // Where blocks kept live stopped the region from starting over, it is kept for its size.
+        let (mut r, b, kept) = setup();
         r.rewind();
+        free(&mut r, b);
         assert_eq!(take(&mut r, small), None, "a smaller request does not cut up the large free block");
         assert_eq!(take(&mut r, big), Some(b), "its size finds it whole");
+        done(r, kept, b);
+
+        // Until it has gone unused that long: a walk that found nothing looks at it again then.
+        let (mut r, b, kept) = setup();
+        r.rewind();
         free(&mut r, b);
-        for _ in 0..LARGE_KEPT_FOR {
+        for _ in 1..LARGE_KEPT_FOR {
             r.rewind();
+            assert_eq!(take(&mut r, small), None);
+            r.verify();
         }
+        r.rewind();
         let p = take(&mut r, small).expect("unused that long, it serves smaller requests");
-        // The run it lies in starts with the filler that page-aligns its data.
-        let (at, from) = (p.as_ptr() as usize, b.as_ptr() as usize - LARGE_DATA_ALIGN);
-        assert!(at >= from && at < from + big, "from the large block's memory");
-        free(&mut r, p);
-        for p in kept {
-            free(&mut r, p);
-        }
-        assert_eq!(r.verify(), 0);
+        assert!(inside(p, b), "from the large block's memory");
+        done(r, kept, p);
     }
 }
