@@ -199,11 +199,6 @@ struct Cycles {
     /// Slot bytes of blocks of earlier cycles that the last closed cycle freed (state it
     /// replaced), which the need learned then counts beside their replacements.
     replaced: usize,
-    /// Bytes of large zeroed requests (from [`ZERO_SPARING_MIN`]) in the open cycle, and in each
-    /// of the last [`NEED_WINDOW`] cycles: not pre-faulted in a new region, where they read as
-    /// zeros unwritten, however little of them a cycle writes.
-    zeroed_large: usize,
-    zeroed_recent: [usize; NEED_WINDOW],
     /// Whether the last close mapped a new region: blocks outside the arena that earlier cycles
     /// left live (state this cycle replaces) go back as they are freed, as the cached ones did
     /// then, rather than staying cached beside the arena that now serves their sizes.
@@ -631,9 +626,6 @@ impl Workspace {
     /// current one resized.
     fn apply(&mut self, sizing: Sizing, fresh: bool) -> Result<(), Error> {
         let Sizing::Map { capacity, prefault } = sizing else { return Ok(()) };
-        // Large zeroed requests of recent cycles read as zeros in a new region unwritten: a cycle
-        // that writes little of them (NumPy's `np.zeros` of fresh pages) keeps them small.
-        let prefault = prefault.saturating_sub(self.cycles.zeroed_recent.iter().copied().max().unwrap_or(0));
         match self.resize_arena(capacity, prefault, fresh) {
             Ok(true) => Ok(()),
             Ok(false) => {
@@ -808,8 +800,6 @@ impl Workspace {
                 && self.regions.current().map(ArenaRegion::id) == Some(self.cycles.kept_here.0),
         };
         self.cycles.replaced = self.accounts.unpinned_slot;
-        let slot = ((self.cycles.completed - 1) % NEED_WINDOW as u64) as usize;
-        self.cycles.zeroed_recent[slot] = std::mem::take(&mut self.cycles.zeroed_large);
         let current = self.regions.current_capacity();
         let region_before = self.regions.current().map(ArenaRegion::id);
         // Put apart before the arena is sized, at the last close: it sees which blocks outlived
@@ -988,9 +978,6 @@ impl Workspace {
     /// Allocates `size` zero-filled bytes. Memory known to be zero already (never used since it
     /// was mapped) is not written, so untouched pages stay untouched.
     pub fn alloc_zeroed(&mut self, size: usize) -> Result<NonNull<u8>, Error> {
-        if size >= ZERO_SPARING_MIN {
-            self.cycles.zeroed_large = self.cycles.zeroed_large.saturating_add(size);
-        }
         self.alloc_in(size, true)
     }
 

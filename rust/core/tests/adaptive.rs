@@ -203,33 +203,6 @@ fn a_temporary_spilled_again_and_again_grows_the_arena_once() {
     }
 }
 
-/// A new region pre-faults what the cycles it learned from used, less their large zeroed
-/// requests: those read as zeros in it unwritten, and a cycle that writes little of them (NumPy's
-/// `np.zeros` of fresh pages) keeps them small.
-#[test]
-#[cfg_attr(miri, ignore = "megabytes pre-faulted")]
-fn a_new_region_leaves_large_zeroed_requests_to_fault_in_as_written() {
-    let rec = Recorder::new(Arc::new(AnonymousMemory));
-    let backend: Arc<dyn Backend> = rec.clone();
-    let mut w = adaptive(&backend);
-    w.enter().unwrap();
-    let z = w.alloc_zeroed(16 * MIB).unwrap();
-    let t = w.alloc(4 * MIB).unwrap();
-    fill(t.as_ptr(), 4 * MIB, 1);
-    // SAFETY: live, freed once.
-    unsafe {
-        w.free(t);
-        w.free(z);
-    }
-    w.exit().unwrap();
-    let populated = rec.populated.load(Ordering::Relaxed);
-    w.enter().unwrap();
-    assert!(w.stats().capacity_bytes >= 20 * MIB as u64, "the arena serves the whole cycle");
-    let now = rec.populated.load(Ordering::Relaxed) - populated;
-    assert!(now > 0 && now < 8 * MIB, "{now} bytes pre-faulted: the zeroed 16 MiB too");
-    w.exit().unwrap();
-}
-
 #[test]
 fn prefaulted_bytes_never_exceed_what_cycles_used() {
     for (name, b) in backends() {
