@@ -981,11 +981,12 @@ impl ArenaRegion {
     }
 
     /// Notes the large free blocks a fruitless walk stepped over ([`ArenaRegion::kept_skipped`]);
-    /// a walk that met none (it did not wrap to them) leaves the note as it was. A note of blocks
-    /// taken since only makes a walk come sooner.
+    /// a walk that met none (it did not wrap to them) leaves the note as it was, and an earlier
+    /// expiry noted stays. A note of blocks taken since only makes a walk come sooner.
     fn keep_skipped(&mut self, skipped: (usize, u64)) {
         if skipped.0 > 0 {
-            self.kept_skipped = skipped;
+            let earlier = if self.kept_skipped.0 > 0 { self.kept_skipped.1 } else { u64::MAX };
+            self.kept_skipped = (skipped.0, skipped.1.min(earlier));
         }
     }
 
@@ -1045,6 +1046,8 @@ impl ArenaRegion {
             self.top = 0;
             self.take_tail(0);
             self.freed_since_scan = 0;
+            // The lists empty: no block is kept whole any more.
+            self.kept_skipped = (0, 0);
             self.live_prefix = 0;
             if let Some(l) = self.lists.as_deref_mut() {
                 l.clear();
@@ -1157,6 +1160,7 @@ impl ArenaRegion {
     /// system and only pages under live blocks stay resident. O(blocks), once.
     pub fn retire(&mut self) {
         self.freed_since_scan = 0;
+        self.kept_skipped = (0, 0);
         if let Some(l) = self.lists.as_deref_mut() {
             // Nothing is allocated here any more: listed blocks are plain free memory.
             l.clear();
