@@ -788,13 +788,6 @@ impl ArenaRegion {
         h
     }
 
-    /// Whether the free block at `off` is kept whole for requests of its size
-    /// ([`LARGE_KEPT`]): a listed one, freed in the last [`LARGE_KEPT_FOR`] rewinds.
-    #[inline]
-    fn kept_whole(&self, off: usize) -> bool {
-        self.kept_until(off).is_some()
-    }
-
     /// The clock at which the free block at `off` stops being kept whole, if it is now: a listed
     /// block of at least [`LARGE_KEPT`] bytes freed fewer than [`LARGE_KEPT_FOR`] rewinds ago,
     /// in a region that blocks kept live stopped from starting over at the last rewind (one that
@@ -875,7 +868,7 @@ impl ArenaRegion {
             if !self.plausible(pos, h) {
                 return None;
             }
-            if h.is_live() || (small && self.kept_whole(pos)) {
+            if h.is_live() || (small && self.kept_until(pos).is_some()) {
                 break;
             }
             let slot = h.slot;
