@@ -7,6 +7,7 @@
 
 use crate::arena::{HEADER, LARGE_DATA_ALIGN};
 use crate::classes::PAGE_ALIGNED_SIZE;
+use crate::learner::NEED_WINDOW;
 
 /// The statistics of the contract, all in bytes or counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -147,6 +148,19 @@ pub(crate) struct Accounts {
     /// with none open (the close before pinned all), and where cycles overlap, the blocks that
     /// the cycles still open had live when the last of them closed.
     pub open_live: usize,
+    /// Cycles closed so far: the stamp of blocks handed out now ([`BlockHeader::stamp`]).
+    ///
+    /// [`BlockHeader::stamp`]: crate::arena::BlockHeader::stamp
+    pub closes: u64,
+    /// Whether cycles overlapped since the last close with none left open: one opened while
+    /// another was. Then nothing is pinned until all close, and what the open cycles hold tells
+    /// results kept on from temporaries in flight only by how long it has lived:
+    overlap: bool,
+    /// slot bytes of the live blocks handed out since, by their stamp modulo the window (those
+    /// of the last [`NEED_WINDOW`] closes but the open interval's, whose entry is filled at the
+    /// next close), and those that have outlived the window (`aged`).
+    by_close: [usize; NEED_WINDOW],
+    aged: usize,
     /// Live blocks of the page-aligned classes, and how many of them are pinned: each may need a
     /// filler in front of it in the arena, which the cycle's need includes.
     pub large_live: usize,
@@ -170,6 +184,7 @@ impl Accounts {
     pub fn count_live(&mut self, slot: usize) {
         self.allocations += 1;
         self.live_slot += slot;
+
         if slot >= LARGE_SLOT {
             self.large_live += 1;
         }
@@ -253,8 +268,72 @@ impl Accounts {
     /// pins, what was live as the cycle opened and still is comes off (at most the lesser of
     /// the two), or results kept by overlapping cycles would add up to a need for all of them.
     pub fn cycle_need(&self) -> usize {
-        let kept = self.open_live.min(self.own_live());
+        let kept = self.kept_on().min(self.own_live());
         self.own_peak.saturating_sub(kept).saturating_add(self.unpinned_slot)
+    }
+
+    /// Of what the open cycle's accounts held as it opened, what is kept on: where cycles
+    /// overlap, what has lived through the last [`NEED_WINDOW`] closes (the other cycles'
+    /// temporaries in flight, live at every close but each time others, are need: the arena holds
+    /// them at once).
+    fn kept_on(&self) -> usize {
+        if self.overlap {
+            self.aged.min(self.open_live)
+        } else {
+            self.open_live
+        }
+    }
+
+    /// A cycle opens beside one that is open: from here until all close, live blocks are told
+    /// apart by age. What the open cycles hold now was handed out since the last close.
+    #[cold]
+    pub fn begin_overlap(&mut self) {
+        if self.overlap {
+            return;
+        }
+        self.overlap = true;
+        self.by_close = [0; NEED_WINDOW];
+        self.aged = 0;
+    }
+
+    /// Whether cycles overlapped since the last close with none left open.
+    pub fn overlapping(&self) -> bool {
+        self.overlap
+    }
+
+    /// A live block of `slot` bytes stamped `stamp`, not pinned, is gone.
+    #[inline(always)]
+    pub fn forget_stamped(&mut self, slot: usize, stamp: u64) {
+        if self.overlap {
+            self.forget_aged(slot, stamp);
+        }
+    }
+
+    #[cold]
+    fn forget_aged(&mut self, slot: usize, stamp: u64) {
+        let age = self.closes.saturating_sub(stamp);
+        if age >= NEED_WINDOW as u64 {
+            self.aged = self.aged.saturating_sub(slot);
+        } else if age > 0 {
+            let b = &mut self.by_close[(stamp % NEED_WINDOW as u64) as usize];
+            *b = b.saturating_sub(slot);
+        }
+    }
+
+    /// The cycle `closes - 1` closed; `all` when none is open any more (everything live is
+    /// pinned now). Where cycles overlap, the interval that ends gets its entry (what the open
+    /// cycles hold and no earlier entry counts), and the entry of `NEED_WINDOW` closes ago ages.
+    pub fn count_close(&mut self, closes: u64, all: bool) {
+        if all {
+            self.overlap = false;
+        } else if self.overlap {
+            let earlier = self.by_close.iter().sum::<usize>().saturating_add(self.aged);
+            let own = self.live_slot - self.pinned_slot;
+            self.by_close[(self.closes % NEED_WINDOW as u64) as usize] = own.saturating_sub(earlier);
+            let b = &mut self.by_close[(closes % NEED_WINDOW as u64) as usize];
+            self.aged = self.aged.saturating_add(std::mem::take(b));
+        }
+        self.closes = closes;
     }
 
     /// A cycle opens.

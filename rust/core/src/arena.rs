@@ -106,11 +106,10 @@ pub struct BlockHeader {
     pub requested: usize,
     /// The workspace generation (completed cycles) when the block was handed out.
     pub generation: u64,
-    /// For blocks of their own whose header sits in front of them (outside the arena): the data
-    /// of the previous and next such block of the workspace (null: none), the list by which an
-    /// address is found to lie in the workspace's memory. For a cached block of its own: null and
-    /// the next cached block of its class. For a free arena block: the region's clock when it
-    /// was freed (see [`LARGE_KEPT`]). Null elsewhere.
+    /// For a live block: in the first, the workspace's count of closed cycles when it was handed
+    /// out ([`BlockHeader::stamp`]). For a cached block of its own: null and the next cached block
+    /// of its class. For a free arena block: the region's clock when it was freed (see
+    /// [`LARGE_KEPT`]).
     pub links: [*mut u8; 2],
 }
 
@@ -134,6 +133,19 @@ impl BlockHeader {
 
     pub fn is_live(&self) -> bool {
         self.magic == MAGIC_LIVE
+    }
+
+    /// Of a live block: the workspace's count of closed cycles when it was handed out (kept in
+    /// the first link, which live blocks use for nothing else): where cycles overlap, how many
+    /// closes it has outlived.
+    #[inline(always)]
+    pub fn stamp(&self) -> u64 {
+        self.links[0].addr() as u64
+    }
+
+    #[inline(always)]
+    pub fn set_stamp(&mut self, closes: u64) {
+        self.links[0] = std::ptr::without_provenance_mut(closes as usize);
     }
 }
 
@@ -320,22 +332,36 @@ impl ArenaRegion {
         backend: Arc<dyn Backend>,
         lists: bool,
     ) -> Result<Self, BackendError> {
+        Self::with_room(id, owner, capacity, capacity, backend, lists)
+    }
+
+    /// As [`ArenaRegion::new`], mapping `mapped >= capacity` bytes (whole pages where larger):
+    /// room to grow where it lies ([`ArenaRegion::resize_in_place`]).
+    pub fn with_room(
+        id: u64,
+        owner: u64,
+        capacity: usize,
+        mapped: usize,
+        backend: Arc<dyn Backend>,
+        lists: bool,
+    ) -> Result<Self, BackendError> {
         debug_assert_eq!(capacity % BLOCK_ALIGN, 0);
+        debug_assert!(mapped == capacity || (mapped > capacity && mapped % crate::backend::page_bytes() == 0));
         let lists = if lists {
             // The lists before the mapping: no room for them is a clean refusal.
-            Some(try_box(FreeLists::new()).ok_or(BackendError::os("map", capacity, libc::ENOMEM))?)
+            Some(try_box(FreeLists::new()).ok_or(BackendError::os("map", mapped, libc::ENOMEM))?)
         } else {
             None
         };
-        let data = backend.map(capacity, false)?;
+        let data = backend.map(mapped, false)?;
         let meta = if backend.host_accessible() {
             data
         } else {
-            match AnonymousMemory.map(capacity, false) {
+            match AnonymousMemory.map(mapped, false) {
                 Ok(m) => m,
                 Err(e) => {
                     // SAFETY: mapped just above, released once, never handed out.
-                    unsafe { backend.unmap(data, capacity) };
+                    unsafe { backend.unmap(data, mapped) };
                     // No host memory for the headers of a device region.
                     return Err(e);
                 }
@@ -347,7 +373,7 @@ impl ArenaRegion {
             data,
             meta,
             capacity,
-            mapped: capacity,
+            mapped,
             backend,
             cursor: 0,
             limit: 0,
@@ -553,6 +579,12 @@ impl ArenaRegion {
         debug_assert!(off + HEADER <= self.capacity && off % BLOCK_ALIGN == 0);
         // SAFETY: as in `header_at`; `&mut self` makes the borrow exclusive.
         unsafe { &mut *self.meta.as_ptr().add(off).cast::<BlockHeader>() }
+    }
+
+    /// Stamps the live block whose header is at `off` ([`BlockHeader::stamp`]).
+    #[inline(always)]
+    pub fn set_stamp(&mut self, off: usize, closes: u64) {
+        self.header_mut(off).set_stamp(closes);
     }
 
     /// Poisons `[off, off + len)` of the block memory (see [`crate::sanitizer`]).

@@ -66,6 +66,10 @@ pub const PREFAULT_LIMIT: usize = 1 << 30;
 /// A region shrinks in place while it maps at most this many times what it is to serve.
 const IN_PLACE_MAX: usize = 4;
 
+/// A new region of lazily faulted memory maps this many times what it serves, so that it can
+/// grow where it lies (address space only: its pages fault in as they are used).
+const ROOM_TO_GROW: usize = 2;
+
 /// External bytes a cycle must have served before the block allocator's cache is returned when
 /// an arena takes over.
 const TRIM_AFTER: usize = 1 << 20;
@@ -203,6 +207,10 @@ struct Cycles {
     /// left live (state this cycle replaces) go back as they are freed, as the cached ones did
     /// then, rather than staying cached beside the arena that now serves their sizes.
     remapped: bool,
+    /// The count of closes when the arena was last remapped: where cycles overlap, blocks
+    /// outside it stamped before ([`BlockHeader::stamp`]) are the open cycles' from before it
+    /// served their sizes, and go back as they are freed too.
+    remapped_at: u64,
     /// The current region's id, and how many of the blocks pinned there at the last cycle end
     /// still live (results kept across cycles, once the cycle that replaces state has run).
     kept_here: (u64, usize),
@@ -601,12 +609,25 @@ impl Workspace {
             self.regions.drop_empty_current();
         }
         let id = self.regions.take_id();
-        // A region the system refuses is no refusal of a request (the cycle goes on outside the
-        // arena, and sizing is tried again): counted, not recorded.
-        let region = ArenaRegion::new(id, self.token, cap, self.limit.clone(), self.route.lists).map_err(|cause| {
-            self.accounts.failures += 1;
-            self.system_error(cap as u64, cause)
-        })?;
+        let (token, lists) = (self.token, self.route.lists);
+        // Where cycles overlap (nothing is pinned, and the region never rewinds while any is
+        // open) and the region's pages cost memory only once touched, it maps room to grow where
+        // it lies: a need that rises by steps then grows it there, rather than a second region
+        // filling beside the first while the open cycles' blocks in it live.
+        let roomy = (self.accounts.overlapping() && self.lazily_resized() && cap % page_bytes() == 0)
+            .then(|| {
+                ArenaRegion::with_room(id, token, cap, cap.saturating_mul(ROOM_TO_GROW), self.limit.clone(), lists).ok()
+            })
+            .flatten();
+        let region = match roomy {
+            Some(r) => r,
+            // A region the system refuses is no refusal of a request (the cycle goes on outside
+            // the arena, and sizing is tried again): counted, not recorded.
+            None => ArenaRegion::new(id, token, cap, self.limit.clone(), lists).map_err(|cause| {
+                self.accounts.failures += 1;
+                self.system_error(cap as u64, cause)
+            })?,
+        };
         // Pre-fault what cycles will touch again, so that a learned cycle takes no page faults;
         // the overallocation, and anything past the bounds, costs address space only. Deferred
         // to the next cycle: a workload that never has one (a whole program in one cycle) does
@@ -705,6 +726,9 @@ impl Workspace {
             if self.regions.has_pending_prefault() {
                 self.prefault_now();
             }
+        }
+        if self.cycles.active > 0 {
+            self.accounts.begin_overlap();
         }
         if self.recording {
             // Every open, overlapping ones too: each has its close.
@@ -830,6 +854,7 @@ impl Workspace {
         self.cycles.remapped =
             self.regions.current().map(ArenaRegion::id) != region_before || self.regions.current_capacity() > current;
         if self.cycles.remapped {
+            self.cycles.remapped_at = self.cycles.completed;
             // An arena now serves what blocks of their own served this cycle: the cached ones,
             // and what the block allocator keeps of the others, would only add to the arena.
             self.own.shrink_to(0);
@@ -852,6 +877,7 @@ impl Workspace {
             arena_after: self.regions.capacity() as u64,
             ..CycleReport::default()
         };
+        self.accounts.count_close(self.cycles.completed, self.cycles.active == 0);
         if self.cycles.active > 0 {
             // Other cycles are still open: nothing rewinds and nothing is pinned yet; the next
             // close learns (and reports) from what happens from here on, with what the region
@@ -1053,6 +1079,7 @@ impl Workspace {
         let inline = self.route.host;
         let region = self.regions.current_mut()?;
         let (p, slot, off) = region.take(req.class, req.slot, req.size, self.cycles.epoch)?;
+        region.set_stamp(off, self.accounts.closes);
         // Host memory is zero-filled when mapped: never-carved memory needs no write.
         let clear = req.zeroed && !(inline && region.is_fresh(off));
         // A large one is zeroed without making more of it resident (its pages not resident now
@@ -1121,7 +1148,8 @@ impl Workspace {
         let h = self.own.header_of(p).expect("a cached block is listed");
         // SAFETY: a block of ours just taken off the cache: its header is ours to write.
         unsafe {
-            h.as_ptr().write(BlockHeader::live(BlockKind::External, self.token, 0, slot, req.size, self.cycles.epoch))
+            h.as_ptr().write(BlockHeader::live(BlockKind::External, self.token, 0, slot, req.size, self.cycles.epoch));
+            (*h.as_ptr()).set_stamp(self.accounts.closes);
         };
         self.accounts.count_external(req.size, slot);
         // SAFETY: `p` is valid for `size <= slot - HEADER` bytes of the backend's memory.
@@ -1160,6 +1188,10 @@ impl Workspace {
         let epoch = self.cycles.epoch;
         let p =
             self.within_limit(req.size, |ws| ws.own.new_block(BlockKind::External, req.size, len, req.zeroed, epoch))?;
+        if let Some(h) = self.own.header_of(p) {
+            // SAFETY: the header of the block just made, ours to write.
+            unsafe { (*h.as_ptr()).set_stamp(self.accounts.closes) };
+        }
         self.accounts.count_external(req.size, len);
         self.own.peaks.made = self.own.peaks.made.saturating_add(len);
         let peak = self.own.peaks.peak();
@@ -1265,15 +1297,16 @@ impl Workspace {
                 // SAFETY: a header spot of the current region: mapped memory; a free header, or
                 // bytes that are no header, fail the magic check before anything else is read.
                 if unsafe { is_live_arena(hp.as_ptr()) } {
-                    let (owner, generation, region, slot, requested) = {
+                    let (owner, generation, region, slot, requested, stamp) = {
                         // SAFETY: a live header (written by us); the borrow ends in this block.
                         let h = unsafe { hp.as_ref() };
-                        (h.owner, h.generation, h.region, h.slot, h.requested)
+                        (h.owner, h.generation, h.region, h.slot, h.requested, h.stamp())
                     };
                     if owner == token && generation == epoch && region == r.id() {
                         // SAFETY: the header is live, names this region and is not borrowed.
                         unsafe { r.release(hp) };
                         self.accounts.uncount_arena(requested, slot);
+                        self.accounts.forget_stamped(slot, stamp);
                         return true;
                     }
                 }
@@ -1342,10 +1375,10 @@ impl Workspace {
             return false;
         };
         // Copy everything out: the memory holding the header may be released below.
-        let (size, slot, gen, owner, region) = {
+        let (size, slot, gen, owner, region, stamp) = {
             // SAFETY: a live header (written by us); the borrow ends in this block.
             let h = unsafe { hp.as_ref() };
-            (h.requested, h.slot, h.generation, h.owner, h.region)
+            (h.requested, h.slot, h.generation, h.owner, h.region, h.stamp())
         };
         if owner != self.token {
             // Another workspace's block: never ours to free.
@@ -1359,6 +1392,8 @@ impl Workspace {
                     if self.cycles.kept_here.0 == region {
                         self.cycles.kept_here.1 = self.cycles.kept_here.1.saturating_sub(1);
                     }
+                } else {
+                    self.accounts.forget_stamped(slot, stamp);
                 }
                 self.accounts.uncount_arena(size, slot);
                 // SAFETY: the header is live, not borrowed, and names the region it lies in.
@@ -1388,12 +1423,14 @@ impl Workspace {
                 if pinned {
                     self.accounts.unpin(size, slot);
                     self.own.peaks.free_earlier(slot);
+                } else {
+                    self.accounts.forget_stamped(slot, stamp);
                 }
                 self.accounts.uncount_external(size, slot);
                 // After a remap, state of earlier cycles goes back as it is freed, but for the
                 // classes kept apart, which the arena does not serve.
-                let superseded =
-                    pinned && self.cycles.remapped && !class_of(size).is_some_and(|c| self.apart.classes.contains(c));
+                let earlier = if pinned { self.cycles.remapped } else { stamp < self.cycles.remapped_at };
+                let superseded = earlier && !class_of(size).is_some_and(|c| self.apart.classes.contains(c));
                 if self.route.caches && !self.cycles.destroyed && !superseded {
                     // SAFETY: the caller gives the block up; it is put once.
                     unsafe { self.own.put_cached(p, slot, self.cycles.completed) };

@@ -542,6 +542,106 @@ fn results_kept_by_overlapping_cycles_neither_count_as_need_nor_grow_the_arena()
     }
 }
 
+/// `tasks` asyncio tasks in turn over one workspace, each in a cycle of its own per step: a
+/// temporary of `size` bytes, an await, a second one, an await, both freed and the cycle closed.
+/// Every close comes while the other tasks hold their temporaries. Returns the spills of each
+/// round (every task's step), the most bytes the tasks held at once in the last round, and the
+/// most bytes cached outside the arena at a round's end once it has one, with each temporary
+/// checked intact before it is freed.
+fn tasks_in_turn(
+    w: &mut Workspace,
+    tasks: usize,
+    rounds: usize,
+    size: impl Fn(usize) -> usize,
+) -> (Vec<u64>, usize, usize) {
+    let mut held: Vec<Vec<(NonNull<u8>, usize, u8)>> = vec![Vec::new(); tasks];
+    let mut spills = Vec::new();
+    let (mut most, mut cached) = (0, 0);
+    // Each task is at a phase of its step: 0 opens and makes the first, 1 the second, 2 frees
+    // both and closes. The tasks start a phase apart, so closes always have others open.
+    let mut phase: Vec<usize> = (0..tasks).map(|t| t % 3).collect();
+    for t in 0..tasks {
+        for _ in 0..phase[t] {
+            if held[t].is_empty() {
+                w.open_cycle().unwrap();
+            }
+            let (n, seed) = (size(0), (t + held[t].len()) as u8);
+            let p = w.alloc(n).unwrap();
+            fill(p.as_ptr(), n.min(miri_or(4096, 256)), seed);
+            held[t].push((p, n, seed));
+        }
+    }
+    for round in 0..rounds {
+        let before = w.stats().spill_count;
+        for t in 0..tasks {
+            if phase[t] == 2 {
+                for (p, n, seed) in held[t].drain(..) {
+                    assert!(intact(p.as_ptr(), n.min(miri_or(4096, 256)), seed), "a temporary changed");
+                    // SAFETY: live, freed once.
+                    unsafe { w.free(p) };
+                }
+                w.close_cycle().unwrap();
+                phase[t] = 0;
+                continue;
+            }
+            if phase[t] == 0 {
+                w.open_cycle().unwrap();
+            }
+            let (n, seed) = (size(round), (round + t + phase[t]) as u8);
+            let p = w.alloc(n).unwrap();
+            fill(p.as_ptr(), n.min(miri_or(4096, 256)), seed);
+            held[t].push((p, n, seed));
+            phase[t] += 1;
+            if round + 1 == rounds {
+                most = most.max(held.iter().flatten().map(|&(_, n, _)| n).sum());
+            }
+        }
+        spills.push(w.stats().spill_count - before);
+        if w.stats().capacity_bytes > 0 {
+            cached = cached.max(w.external_cached_bytes());
+        }
+    }
+    for (t, h) in held.iter_mut().enumerate() {
+        if phase[t] > 0 {
+            for (p, _, _) in h.drain(..) {
+                // SAFETY: live, freed once.
+                unsafe { w.free(p) };
+            }
+            w.close_cycle().unwrap();
+        }
+    }
+    (spills, most, cached)
+}
+
+#[test]
+fn temporaries_in_flight_in_overlapping_cycles_are_need_and_stop_spilling() {
+    // Asyncio tasks with large temporaries: every close sees the other tasks' temporaries live,
+    // as it would results kept on, but they are new blocks each time. What has lived through the
+    // last closes is kept; the rest is need, so the arena comes to hold all tasks' temporaries at
+    // once and spills stop (it held one task's, and most temporaries spilled). Blocks made
+    // outside before the arena served them go back as they are freed rather than stay cached
+    // beside it; and a region mapped while cycles overlap grows where it lies.
+    for (name, b) in backends() {
+        let r = Recorder::new(b.clone());
+        let mut w = Workspace::with_backend("T", WorkspaceConfiguration::adaptive(), r.clone()).unwrap();
+        let (tasks, size) = (4, miri_or(256 * KIB, 64 * KIB));
+        let rounds = miri_or(60, 30);
+        // The temporaries grow by a quarter after a third of the rounds (a larger batch).
+        let (spills, in_flight, cached) =
+            tasks_in_turn(&mut w, tasks, rounds, |round| if round < rounds / 3 { size } else { size * 5 / 4 });
+        let late = &spills[rounds - 10..];
+        assert!(late.iter().all(|&s| s == 0), "{name}: spills per round {spills:?}");
+        let s = w.stats();
+        assert!(w.learned_need() >= in_flight, "{name}: need {} for {in_flight} in flight", w.learned_need());
+        assert!(s.capacity_bytes as usize >= in_flight, "{name}: {s:?}");
+        assert_eq!(cached, 0, "{name}: blocks made outside before the arena stayed cached beside it");
+        if b.discard_zeroes() && b.faults_lazily() {
+            assert_eq!(r.maps.load(Ordering::Relaxed), 1, "{name}: one region, grown where it lies");
+        }
+        w.verify();
+    }
+}
+
 /// `cycles` cycles of `preds.append(f(x))` with a batch size that changes every cycle: two
 /// temporaries of 4 KB to 1 MB (a quarter under Miri), and (`keep`) a 2 KB result kept for good. Returns the spills of
 /// each cycle and the workspace, with every kept result checked and freed.
