@@ -292,6 +292,10 @@ pub struct ArenaRegion {
     live_blocks: usize,
     /// Bytes marked free since the last walk that found nothing: gates wrap-around walks.
     freed_since_scan: usize,
+    /// The largest free run that walks which found nothing passed over since the region last
+    /// started over: too small for their requests, perhaps not for a later, smaller one, which
+    /// walks for it then (a run taken since makes one walk that finds nothing, and corrects it).
+    passed: usize,
     /// Every block in `[0, live_prefix)` is live: walks start here, so long-lived blocks at the
     /// front of the region cost nothing per cycle. Lowered by any free below it.
     live_prefix: usize,
@@ -381,6 +385,7 @@ impl ArenaRegion {
             tail: true,
             live_blocks: 0,
             freed_since_scan: 0,
+            passed: 0,
             live_prefix: 0,
             dirty_end: 0,
             prefaulted: 0,
@@ -933,10 +938,13 @@ impl ArenaRegion {
         let small = need < LARGE_KEPT;
         // Large free blocks kept whole that the walk stepped over, and when the first expires.
         let mut skipped = (0, u64::MAX);
+        // The largest free run the walk passed over.
+        let mut largest = 0;
         loop {
             if wrapped && pos >= start {
                 if tail_fallback {
                     self.freed_since_scan = 0;
+                    self.passed = largest;
                     self.keep_skipped(skipped);
                     return self.take_tail(need);
                 }
@@ -944,7 +952,8 @@ impl ArenaRegion {
             }
             if pos >= self.top {
                 let tail_fits = self.capacity - self.top >= need;
-                let may_wrap = !wrapped && start > self.live_prefix && self.freed_since_scan >= need;
+                let behind = self.freed_since_scan >= need || self.passed >= need;
+                let may_wrap = !wrapped && start > self.live_prefix && behind;
                 let touched = self.top < self.dirty_end.max(self.prefaulted);
                 // Touched memory is taken at once; untouched memory only after a walk behind.
                 if tail_fits && (touched || !may_wrap) {
@@ -996,8 +1005,17 @@ impl ArenaRegion {
             }
             // Too small for this request: merge the run so later walks step over it at once.
             self.write_free_header(run_start, pos - run_start);
+            largest = largest.max(pos - run_start);
         }
-        self.freed_since_scan = 0;
+        // A walk that saw every run (it wrapped, or began at the front) leaves none unseen, and
+        // knows the largest; one that did not, only those ahead of where it began: what was freed
+        // behind is still to be looked at.
+        if wrapped || start <= self.live_prefix {
+            self.freed_since_scan = 0;
+            self.passed = largest;
+        } else {
+            self.passed = self.passed.max(largest);
+        }
         self.keep_skipped(skipped);
         self.cursor = self.top;
         self.limit = self.top;
@@ -1071,6 +1089,7 @@ impl ArenaRegion {
             self.top = 0;
             self.take_tail(0);
             self.freed_since_scan = 0;
+            self.passed = 0;
             // The lists empty: no block is kept whole any more.
             self.kept_skipped = (0, 0);
             self.live_prefix = 0;
@@ -1185,6 +1204,7 @@ impl ArenaRegion {
     /// system and only pages under live blocks stay resident. O(blocks), once.
     pub fn retire(&mut self) {
         self.freed_since_scan = 0;
+        self.passed = 0;
         self.kept_skipped = (0, 0);
         if let Some(l) = self.lists.as_deref_mut() {
             // Nothing is allocated here any more: listed blocks are plain free memory.
@@ -1337,6 +1357,41 @@ mod tests {
             free(&mut r, p);
         }
         assert_eq!(r.verify(), 0);
+    }
+
+    #[test]
+    fn a_free_run_too_small_for_one_request_serves_a_smaller_one_after() {
+        // Kept blocks with freed ones between them, and the tail too short for what comes: a
+        // request larger than any freed run finds nothing, and one that fits a run then finds
+        // it, whether the walk for the larger one looked behind (enough was freed for it: two
+        // runs) or not (one).
+        let (run, big, small) = (300_000, 500_000, 200_000);
+        for (freed, rewinds) in [(1, 0), (1, 1), (2, 0), (2, 1)] {
+            let blocks = 2 * freed + 1;
+            let cap = (blocks * slot_for(run).unwrap() + slot_for(small).unwrap() / 2).next_multiple_of(BLOCK_ALIGN);
+            let mut r = ArenaRegion::new(1, 7, cap, Arc::new(HeapMemory), true).expect("a test region");
+            let mut kept: Vec<_> = (0..blocks).map(|_| take(&mut r, run).unwrap()).collect();
+            // Every other block goes: runs between kept blocks.
+            let runs: Vec<_> = (0..freed).map(|k| kept.remove(k + 1)).collect();
+            for &q in &runs {
+                free(&mut r, q);
+            }
+            for _ in 0..rewinds {
+                r.rewind();
+            }
+            for _ in 0..2 {
+                // Twice: a second walk for it, with nothing freed since, finds nothing either.
+                assert_eq!(take(&mut r, big), None, "larger than any free run");
+            }
+            let p = take(&mut r, small).expect("a freed run holds it");
+            let at = p.as_ptr() as usize;
+            let inside = |q: &NonNull<u8>| at >= q.as_ptr() as usize && at < q.as_ptr() as usize + run;
+            assert!(runs.iter().any(inside), "{freed} runs, {rewinds} rewinds: from a freed run");
+            for q in kept.into_iter().chain([p]) {
+                free(&mut r, q);
+            }
+            assert_eq!(r.verify(), 0);
+        }
     }
 
     #[test]
