@@ -173,38 +173,49 @@ def test_an_arena_larger_than_its_file_system_is_out_of_memory_not_sigbus(small_
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_a_fork_while_another_thread_opens_its_first_cycles_leaves_the_child_working():
-    # The bindings make what they look up once (NumPy's context variable, asyncio's functions)
-    # when first used: a fork while another thread is making one must not leave it half made in
-    # the child, whose first cycle would wait for it forever. Each round is a fresh interpreter,
-    # where nothing is made yet; the child has 20 s (it needs well under one).
+    # The bindings make what they look up once (NumPy's context variable, asyncio's functions,
+    # the types of a `range`'s iterators) when first used, or at import: a fork while another
+    # thread is making one must not leave it half made in the child, whose first cycle would wait
+    # for it forever. Each round is a fresh interpreter, where nothing is made yet, and forks
+    # children while the thread takes its first steps in both forms; each child has 20 s (it
+    # needs well under one).
     code = """
         import os, sys, threading, time
         import numpy as np
         import rustws
         ws = rustws.workspace("FT", rustws.WorkspaceConfiguration(initial_size="1MiB"))
         def background():
+            for _ in ws.cycles(range(2)):
+                a = np.ones(20000) * 2
             for _ in range(200):
                 with ws:
                     a = np.ones(20000) * 2
         t = threading.Thread(target=background)
         t.start()
-        pid = os.fork()
-        if pid == 0:
-            with ws:
-                x = np.ones(50000) * 2
-            for _ in ws.cycles(range(3)):
-                y = np.full(1000, 3.0) + x[:1000]
-            os._exit(0 if (y == 5).all() else 3)
+        children = []
+        while t.is_alive() and len(children) < 20 or not children:
+            pid = os.fork()
+            if pid == 0:
+                with ws:
+                    x = np.ones(50000) * 2
+                for _ in ws.cycles(range(3)):
+                    y = np.full(1000, 3.0) + x[:1000]
+                os._exit(0 if (y == 5).all() else 3)
+            children.append(pid)
         deadline = time.monotonic() + 20
-        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                print("the child hung")
-                sys.exit(1)
-            time.sleep(0.005)
+        for pid in children:
+            while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+                if time.monotonic() > deadline:
+                    for p in children:
+                        try:
+                            os.kill(p, 9)
+                        except ProcessLookupError:
+                            pass
+                    print("a child hung")
+                    sys.exit(1)
+                time.sleep(0.005)
+            assert os.waitstatus_to_exitcode(done[1]) == 0, done
         t.join()
-        assert os.waitstatus_to_exitcode(done[1]) == 0, done
         print("ok")
         """
     for _ in range(6):

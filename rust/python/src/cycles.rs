@@ -230,15 +230,26 @@ impl Cycles {
 /// frees nothing whose finaliser could): it is a `range`'s iterator. A list's or tuple's iterator
 /// frees its sequence, and so maybe its items, when it is exhausted.
 fn runs_no_python(items: &Bound<'_, pyo3::types::PyIterator>) -> bool {
+    range_iterators(items.py()).contains(&(items.get_type().as_ptr() as usize))
+}
+
+/// The types of a `range`'s iterators (within a machine word, and past it), made with no Python
+/// code run: `py.eval` would first make PyO3's interned names, in cells that a fork on another
+/// thread meanwhile leaves half made in the child (see `once`).
+fn range_iterators(py: Python<'_>) -> &'static [usize; 2] {
     static RANGES: PyOnceLock<[usize; 2]> = PyOnceLock::new();
-    let py = items.py();
-    let ranges = crate::once::get_or_make(&RANGES, py, || {
+    crate::once::get_or_make(&RANGES, py, || {
         let kind = |obj: PyResult<Bound<'_, PyAny>>| {
             obj.and_then(|o| o.try_iter()).map(|it| it.get_type().as_ptr() as usize).unwrap_or(0)
         };
-        [kind(pyo3::types::PyRange::new(py, 0, 1).map(Bound::into_any)), kind(py.eval(c"range(1 << 80)", None, None))]
-    });
-    ranges.contains(&(items.get_type().as_ptr() as usize))
+        let range = py.get_type::<pyo3::types::PyRange>();
+        [kind(range.call1((0,))), kind(range.call1((u64::MAX,)))]
+    })
+}
+
+/// Makes what the loop form looks up once, at import (see `once`).
+pub(crate) fn init(py: Python<'_>) {
+    range_iterators(py);
 }
 
 #[pymethods]
