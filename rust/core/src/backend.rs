@@ -978,6 +978,22 @@ impl Backend for FileMappedMemory {
         }
     }
 
+    /// The pages go back together with the file's blocks under them (`MADV_REMOVE`: a hole
+    /// punched in the file), where its file system punches holes, and otherwise at least leave
+    /// the process (`MADV_DONTNEED`; the file keeps its blocks): a region retired while blocks in
+    /// it live keeps only what is under them resident, as an anonymous one does. What the range
+    /// then reads is not promised ([`Backend::discard_zeroes`] stays false): the arena never takes
+    /// discarded file pages for zeros.
+    fn discard(&self, ptr: NonNull<u8>, len: usize) -> bool {
+        // SAFETY: the caller passes page-aligned memory of one of our mappings that holds no live
+        // data; the file under it is this region's alone (created for it, or unnamed), and a
+        // forked child maps a private snapshot of its own, so no one else reads what goes.
+        unsafe {
+            libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_REMOVE) == 0
+                || libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTNEED) == 0
+        }
+    }
+
     /// Blocks outside the file-backed arena (spills, first cycles) come from the C heap, as
     /// [`AnonymousMemory`]'s do.
     fn alloc_block(&self, len: usize) -> Result<NonNull<u8>, BackendError> {

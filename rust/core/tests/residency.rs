@@ -75,6 +75,43 @@ fn a_retired_region_keeps_only_pages_under_live_blocks() {
 }
 
 #[test]
+fn a_destroyed_file_backed_workspace_keeps_only_pages_under_live_blocks() {
+    let _alone = alone();
+    // A memory-mapped arena whose pages were all written, destroyed while one small result lives:
+    // its region stays mapped for that block, and gives the rest back (file pages too), as an
+    // anonymous one does.
+    for location in [LocationPolicy::Ram, LocationPolicy::Mmap] {
+        let dir = std::env::temp_dir();
+        let c = WorkspaceConfiguration {
+            initial_size: 32 * MIB as u64,
+            policy_learning: LearningPolicy::None,
+            policy_location: location,
+            temp_file_path: (location == LocationPolicy::Mmap).then(|| dir.clone()),
+            ..cfg()
+        };
+        // SAFETY: a plain glibc call without preconditions.
+        unsafe { libc::malloc_trim(0) };
+        let before = resident_bytes();
+        let mut w = Workspace::new("FILE", c).unwrap();
+        w.enter().unwrap();
+        let used = w.alloc(30 * MIB).unwrap();
+        // SAFETY: a live block of 30 MiB: every page of it becomes resident.
+        unsafe { used.as_ptr().write_bytes(1, 30 * MIB) };
+        let kept = w.alloc(100).unwrap();
+        fill(kept.as_ptr(), 100, 9);
+        // SAFETY: live, freed once.
+        unsafe { w.free(used) };
+        w.exit().unwrap();
+        w.destroy();
+        let grown = resident_bytes() as isize - before as isize;
+        assert!(grown < 4 * MIB as isize, "{location}: {} MiB resident for a 100-byte block", grown >> 20);
+        assert!(intact(kept.as_ptr(), 100, 9), "{location}: the kept block changed");
+        // SAFETY: live, freed once.
+        unsafe { w.free(kept) };
+    }
+}
+
+#[test]
 fn a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena() {
     let _alone = alone();
     let mut w = Workspace::new("HUGE", WorkspaceConfiguration::adaptive()).unwrap();
