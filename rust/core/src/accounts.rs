@@ -123,6 +123,37 @@ const LARGE_SLOT: usize = PAGE_ALIGNED_SIZE + HEADER;
 /// The largest filler an arena puts in front of such a block.
 const MOST_PAD: usize = LARGE_DATA_ALIGN - HEADER;
 
+/// The most closes by which blocks are told apart by age where cycles overlap.
+const AGE_BUCKETS: usize = 64;
+
+/// The slot bytes of the live blocks handed out since cycles began to overlap, by age.
+#[derive(Debug, Clone)]
+struct Ages {
+    /// Those stamped from `aged_through` on, by stamp modulo [`AGE_BUCKETS`] (the open interval's
+    /// entry is filled at the next close, from what the open cycles hold and no other counts).
+    by_close: [usize; AGE_BUCKETS],
+    /// Those stamped before `aged_through`: they have lived through the window ([`Ages::window`]).
+    aged: usize,
+    aged_through: u64,
+    /// The most cycles open at once since they began to overlap.
+    most_open: u32,
+}
+
+impl Default for Ages {
+    fn default() -> Self {
+        Ages { by_close: [0; AGE_BUCKETS], aged: 0, aged_through: 0, most_open: 0 }
+    }
+}
+
+impl Ages {
+    /// The closes a block lives through before it counts as kept on: a temporary of one of `n`
+    /// cycles taking turns lives through the other ones' closes (`n - 1`); twice that, at least
+    /// [`NEED_WINDOW`], at most what the buckets hold.
+    fn window(&self) -> u64 {
+        (2 * self.most_open as u64).clamp(NEED_WINDOW as u64, AGE_BUCKETS as u64)
+    }
+}
+
 /// Live, pinned and served memory. Slot bytes count what blocks occupy (header and class
 /// rounding included); requested bytes what callers asked for.
 #[derive(Debug, Default, Clone)]
@@ -154,13 +185,9 @@ pub(crate) struct Accounts {
     pub closes: u64,
     /// Whether cycles overlapped since the last close with none left open: one opened while
     /// another was. Then nothing is pinned until all close, and what the open cycles hold tells
-    /// results kept on from temporaries in flight only by how long it has lived:
+    /// results kept on from temporaries in flight only by how long it has lived ([`Ages`]).
     overlap: bool,
-    /// slot bytes of the live blocks handed out since, by their stamp modulo the window (those
-    /// of the last [`NEED_WINDOW`] closes but the open interval's, whose entry is filled at the
-    /// next close), and those that have outlived the window (`aged`).
-    by_close: [usize; NEED_WINDOW],
-    aged: usize,
+    ages: Ages,
     /// Live blocks of the page-aligned classes, and how many of them are pinned: each may need a
     /// filler in front of it in the arena, which the cycle's need includes.
     pub large_live: usize,
@@ -184,7 +211,6 @@ impl Accounts {
     pub fn count_live(&mut self, slot: usize) {
         self.allocations += 1;
         self.live_slot += slot;
-
         if slot >= LARGE_SLOT {
             self.large_live += 1;
         }
@@ -273,27 +299,30 @@ impl Accounts {
     }
 
     /// Of what the open cycle's accounts held as it opened, what is kept on: where cycles
-    /// overlap, what has lived through the last [`NEED_WINDOW`] closes (the other cycles'
+    /// overlap, what has lived through the last closes ([`Ages::window`]; the other cycles'
     /// temporaries in flight, live at every close but each time others, are need: the arena holds
     /// them at once).
     fn kept_on(&self) -> usize {
         if self.overlap {
-            self.aged.min(self.open_live)
+            self.ages.aged.min(self.open_live)
         } else {
             self.open_live
         }
     }
 
-    /// A cycle opens beside one that is open: from here until all close, live blocks are told
-    /// apart by age. What the open cycles hold now was handed out since the last close.
+    /// A cycle opens beside others, `open` cycles open with it: from here until all close, live
+    /// blocks are told apart by age. What the open cycles held as they began to overlap was
+    /// handed out since the last close.
     #[cold]
-    pub fn begin_overlap(&mut self) {
-        if self.overlap {
-            return;
+    pub fn open_beside(&mut self, open: u32) {
+        if !self.overlap {
+            self.overlap = true;
+            self.ages.by_close = [0; AGE_BUCKETS];
+            self.ages.aged = 0;
+            self.ages.aged_through = self.closes;
+            self.ages.most_open = 0;
         }
-        self.overlap = true;
-        self.by_close = [0; NEED_WINDOW];
-        self.aged = 0;
+        self.ages.most_open = self.ages.most_open.max(open);
     }
 
     /// Whether cycles overlapped since the last close with none left open.
@@ -311,27 +340,36 @@ impl Accounts {
 
     #[cold]
     fn forget_aged(&mut self, slot: usize, stamp: u64) {
-        let age = self.closes.saturating_sub(stamp);
-        if age >= NEED_WINDOW as u64 {
-            self.aged = self.aged.saturating_sub(slot);
-        } else if age > 0 {
-            let b = &mut self.by_close[(stamp % NEED_WINDOW as u64) as usize];
+        // As `own_live` counts it: with the filler a page-aligned block may need.
+        let slot = if slot >= LARGE_SLOT { slot + MOST_PAD } else { slot };
+        let a = &mut self.ages;
+        if stamp < a.aged_through {
+            a.aged = a.aged.saturating_sub(slot);
+        } else if stamp < self.closes {
+            let b = &mut a.by_close[(stamp % AGE_BUCKETS as u64) as usize];
             *b = b.saturating_sub(slot);
         }
+        // Stamped since the last close: the open interval's entry is not filled yet.
     }
 
     /// The cycle `closes - 1` closed; `all` when none is open any more (everything live is
-    /// pinned now). Where cycles overlap, the interval that ends gets its entry (what the open
-    /// cycles hold and no earlier entry counts), and the entry of `NEED_WINDOW` closes ago ages.
+    /// pinned now). Where cycles overlap, the interval that ends gets its entry, and the entries
+    /// of blocks that have lived through the window age.
     pub fn count_close(&mut self, closes: u64, all: bool) {
         if all {
             self.overlap = false;
         } else if self.overlap {
-            let earlier = self.by_close.iter().sum::<usize>().saturating_add(self.aged);
-            let own = self.live_slot - self.pinned_slot;
-            self.by_close[(self.closes % NEED_WINDOW as u64) as usize] = own.saturating_sub(earlier);
-            let b = &mut self.by_close[(closes % NEED_WINDOW as u64) as usize];
-            self.aged = self.aged.saturating_add(std::mem::take(b));
+            let own = self.own_live();
+            let a = &mut self.ages;
+            let earlier = a.by_close.iter().sum::<usize>().saturating_add(a.aged);
+            // Its entry held blocks stamped `AGE_BUCKETS` closes earlier, aged since (the window
+            // is at most that long): it is empty.
+            a.by_close[(self.closes % AGE_BUCKETS as u64) as usize] = own.saturating_sub(earlier);
+            while a.aged_through.saturating_add(a.window()) <= closes {
+                let b = std::mem::take(&mut a.by_close[(a.aged_through % AGE_BUCKETS as u64) as usize]);
+                a.aged = a.aged.saturating_add(b);
+                a.aged_through += 1;
+            }
         }
         self.closes = closes;
     }

@@ -728,7 +728,7 @@ impl Workspace {
             }
         }
         if self.cycles.active > 0 {
-            self.accounts.begin_overlap();
+            self.accounts.open_beside(self.cycles.active.saturating_add(1));
         }
         if self.recording {
             // Every open, overlapping ones too: each has its close.
@@ -823,6 +823,8 @@ impl Workspace {
             pinned_in_arena: self.cycles.kept_here.1 > 0
                 && self.regions.current().map(ArenaRegion::id) == Some(self.cycles.kept_here.0),
         };
+        // Counted before the arena is sized: a close that leaves none open ends the overlap.
+        self.accounts.count_close(self.cycles.completed, self.cycles.active == 0);
         self.cycles.replaced = self.accounts.unpinned_slot;
         let current = self.regions.current_capacity();
         let region_before = self.regions.current().map(ArenaRegion::id);
@@ -877,7 +879,6 @@ impl Workspace {
             arena_after: self.regions.capacity() as u64,
             ..CycleReport::default()
         };
-        self.accounts.count_close(self.cycles.completed, self.cycles.active == 0);
         if self.cycles.active > 0 {
             // Other cycles are still open: nothing rewinds and nothing is pinned yet; the next
             // close learns (and reports) from what happens from here on, with what the region
