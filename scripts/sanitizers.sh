@@ -74,7 +74,8 @@ else
         cargo test -p rustws-core --lib --tests --target "$host" --target-dir target/asan --quiet -- \
         --skip a_retired_region_keeps_only_pages_under_live_blocks \
         --skip a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena \
-        --skip a_destroyed_workspace_returns_pages_as_its_blocks_die
+        --skip a_destroyed_workspace_returns_pages_as_its_blocks_die \
+        --skip a_destroyed_file_backed_workspace_keeps_only_pages_under_live_blocks
 fi
 rm -rf "$probe"
 
@@ -101,5 +102,6 @@ else
     tsan -- \
         --skip a_retired_region_keeps_only_pages_under_live_blocks \
         --skip a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena \
-        --skip a_destroyed_workspace_returns_pages_as_its_blocks_die
+        --skip a_destroyed_workspace_returns_pages_as_its_blocks_die \
+        --skip a_destroyed_file_backed_workspace_keeps_only_pages_under_live_blocks
 fi

@@ -104,7 +104,8 @@ fn a_destroyed_file_backed_workspace_keeps_only_pages_under_live_blocks() {
         w.exit().unwrap();
         w.destroy();
         let grown = resident_bytes() as isize - before as isize;
-        assert!(grown < 4 * MIB as isize, "{location}: {} MiB resident for a 100-byte block", grown >> 20);
+        // Kept, the region's 30 MiB would stay.
+        assert!(grown < 8 * MIB as isize, "{location}: {} MiB resident for a 100-byte block", grown >> 20);
         assert!(intact(kept.as_ptr(), 100, 9), "{location}: the kept block changed");
         // SAFETY: live, freed once.
         unsafe { w.free(kept) };
