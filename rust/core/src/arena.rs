@@ -293,8 +293,9 @@ pub struct ArenaRegion {
     /// Bytes marked free since the last walk that found nothing: gates wrap-around walks.
     freed_since_scan: usize,
     /// The largest free run that walks which found nothing passed over since the region last
-    /// started over: too small for their requests, perhaps not for a later, smaller one, which
-    /// walks for it then (a run taken since makes one walk that finds nothing, and corrects it).
+    /// started over: too small for their requests, perhaps not for a later, smaller one that the
+    /// tail cannot hold, which walks for it then (a run taken since makes one walk that finds
+    /// nothing, and corrects it).
     passed: usize,
     /// Every block in `[0, live_prefix)` is live: walks start here, so long-lived blocks at the
     /// front of the region cost nothing per cycle. Lowered by any free below it.
@@ -952,7 +953,10 @@ impl ArenaRegion {
             }
             if pos >= self.top {
                 let tail_fits = self.capacity - self.top >= need;
-                let behind = self.freed_since_scan >= need || self.passed >= need;
+                // A run passed before is looked for only where nothing else serves: walks behind
+                // for every request it could hold would cut up large free runs that the tail
+                // spares.
+                let behind = self.freed_since_scan >= need || (!tail_fits && self.passed >= need);
                 let may_wrap = !wrapped && start > self.live_prefix && behind;
                 let touched = self.top < self.dirty_end.max(self.prefaulted);
                 // Touched memory is taken at once; untouched memory only after a walk behind.
