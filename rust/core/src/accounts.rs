@@ -179,10 +179,6 @@ pub(crate) struct Accounts {
     /// with none open (the close before pinned all), and where cycles overlap, the blocks that
     /// the cycles still open had live when the last of them closed.
     pub open_live: usize,
-    /// Cycles closed so far: the stamp of blocks handed out now ([`BlockHeader::stamp`]).
-    ///
-    /// [`BlockHeader::stamp`]: crate::arena::BlockHeader::stamp
-    pub closes: u64,
     /// Whether cycles overlapped since the last close with none left open: one opened while
     /// another was. Then nothing is pinned until all close, and what the open cycles hold tells
     /// results kept on from temporaries in flight only by how long it has lived ([`Ages`]).
@@ -310,16 +306,19 @@ impl Accounts {
         }
     }
 
-    /// A cycle opens beside others, `open` cycles open with it: from here until all close, live
-    /// blocks are told apart by age. What the open cycles held as they began to overlap was
-    /// handed out since the last close.
+    /// A cycle opens beside others after `closes` cycles closed, `open` cycles open with it: from
+    /// here until all close, live blocks are told apart by age ([`BlockHeader::stamp`]: the
+    /// closes before they were handed out). What the open cycles held as they began to overlap
+    /// was handed out since the last close.
+    ///
+    /// [`BlockHeader::stamp`]: crate::arena::BlockHeader::stamp
     #[cold]
-    pub fn open_beside(&mut self, open: u32) {
+    pub fn open_beside(&mut self, open: u32, closes: u64) {
         if !self.overlap {
             self.overlap = true;
             self.ages.by_close = [0; AGE_BUCKETS];
             self.ages.aged = 0;
-            self.ages.aged_through = self.closes;
+            self.ages.aged_through = closes;
             self.ages.most_open = 0;
         }
         self.ages.most_open = self.ages.most_open.max(open);
@@ -330,22 +329,22 @@ impl Accounts {
         self.overlap
     }
 
-    /// A live block of `slot` bytes stamped `stamp`, not pinned, is gone.
+    /// A live block of `slot` bytes stamped `stamp`, not pinned, is gone after `closes` closes.
     #[inline(always)]
-    pub fn forget_stamped(&mut self, slot: usize, stamp: u64) {
+    pub fn forget_stamped(&mut self, slot: usize, stamp: u64, closes: u64) {
         if self.overlap {
-            self.forget_aged(slot, stamp);
+            self.forget_aged(slot, stamp, closes);
         }
     }
 
     #[cold]
-    fn forget_aged(&mut self, slot: usize, stamp: u64) {
+    fn forget_aged(&mut self, slot: usize, stamp: u64, closes: u64) {
         // As `own_live` counts it: with the filler a page-aligned block may need.
         let slot = if slot >= LARGE_SLOT { slot + MOST_PAD } else { slot };
         let a = &mut self.ages;
         if stamp < a.aged_through {
             a.aged = a.aged.saturating_sub(slot);
-        } else if stamp < self.closes {
+        } else if stamp < closes {
             let b = &mut a.by_close[(stamp % AGE_BUCKETS as u64) as usize];
             *b = b.saturating_sub(slot);
         }
@@ -364,14 +363,13 @@ impl Accounts {
             let earlier = a.by_close.iter().sum::<usize>().saturating_add(a.aged);
             // Its entry held blocks stamped `AGE_BUCKETS` closes earlier, aged since (the window
             // is at most that long): it is empty.
-            a.by_close[(self.closes % AGE_BUCKETS as u64) as usize] = own.saturating_sub(earlier);
+            a.by_close[((closes - 1) % AGE_BUCKETS as u64) as usize] = own.saturating_sub(earlier);
             while a.aged_through.saturating_add(a.window()) <= closes {
                 let b = std::mem::take(&mut a.by_close[(a.aged_through % AGE_BUCKETS as u64) as usize]);
                 a.aged = a.aged.saturating_add(b);
                 a.aged_through += 1;
             }
         }
-        self.closes = closes;
     }
 
     /// A cycle opens.

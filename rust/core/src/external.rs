@@ -22,7 +22,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::arena::{write_live_header, BlockHeader, BlockKind, HEADER, MAGIC_FREE};
+use crate::arena::{BlockHeader, BlockKind, HEADER, MAGIC_FREE};
 use crate::backend::Backend;
 use crate::classes::{floor_class, ClassSet, CLASSES};
 use crate::error::BackendError;
@@ -237,17 +237,19 @@ impl OwnBlocks {
     }
 
     /// A fresh block of `kind` for a request of `size` bytes occupying `slot` bytes (header
-    /// included), its header written live.
+    /// included), its header written live with the workspace's generation and stamp
+    /// ([`BlockHeader::stamp`]).
     pub fn new_block(
         &mut self,
         kind: BlockKind,
         size: usize,
         slot: usize,
         zeroed: bool,
-        generation: u64,
+        (generation, stamp): (u64, u64),
     ) -> Result<NonNull<u8>, BackendError> {
         self.reserve(slot)?;
-        let header = BlockHeader::live(kind, self.owner, 0, slot, size, generation);
+        let mut header = BlockHeader::live(kind, self.owner, 0, slot, size, generation);
+        header.set_stamp(stamp);
         if !self.inline {
             let h = try_box(header).ok_or(BackendError::os("list a block", slot, libc::ENOMEM))?;
             let take = slot - HEADER;
@@ -264,8 +266,11 @@ impl OwnBlocks {
         }
         let src = self.source(kind);
         let at = if zeroed { src.alloc_block_zeroed(slot) } else { src.alloc_block(slot) }?;
+        debug_assert_eq!(at.as_ptr() as usize % std::mem::align_of::<BlockHeader>(), 0);
         // SAFETY: `at` is a fresh 64-aligned block of `slot >= HEADER` bytes owned by us.
-        let p = unsafe { write_live_header(at, kind, self.owner, 0, slot, size, generation) };
+        unsafe { at.cast::<BlockHeader>().as_ptr().write(header) };
+        // SAFETY: the block holds its header and at least its data's first byte.
+        let p = unsafe { at.add(HEADER) };
         // SAFETY: its header sits in front of it, readable until it leaves the table.
         unsafe { self.register(p) };
         Ok(p)
@@ -471,7 +476,7 @@ mod tests {
         let mut b = blocks();
         let class = class_of(1000).unwrap();
         let slot = class_size(class) + HEADER;
-        let p = b.new_block(BlockKind::External, 1000, slot, false, 0).unwrap();
+        let p = b.new_block(BlockKind::External, 1000, slot, false, (0, 0)).unwrap();
         let h = b.header_of(p).expect("listed");
         // SAFETY: the live header just written.
         assert_eq!(unsafe { h.as_ref() }.owner, 7);
@@ -495,7 +500,7 @@ mod tests {
         let mut b = blocks();
         let mut put = |size: usize| {
             let slot = class_size(class_of(size).unwrap()) + HEADER;
-            let p = b.new_block(BlockKind::External, size, slot, true, 0).unwrap();
+            let p = b.new_block(BlockKind::External, size, slot, true, (0, 0)).unwrap();
             // SAFETY: live, given up once.
             unsafe { b.put_cached(p, slot, 0) };
             slot
@@ -515,7 +520,7 @@ mod tests {
         let cache = |b: &mut OwnBlocks, size: usize| {
             let class = class_of(size).unwrap();
             let slot = class_size(class) + HEADER;
-            let p = b.new_block(BlockKind::External, size, slot, false, 0).unwrap();
+            let p = b.new_block(BlockKind::External, size, slot, false, (0, 0)).unwrap();
             // SAFETY: live, given up once.
             unsafe { b.put_cached(p, slot, 0) };
             (class, slot)

@@ -728,7 +728,7 @@ impl Workspace {
             }
         }
         if self.cycles.active > 0 {
-            self.accounts.open_beside(self.cycles.active.saturating_add(1));
+            self.accounts.open_beside(self.cycles.active.saturating_add(1), self.cycles.completed);
         }
         if self.recording {
             // Every open, overlapping ones too: each has its close.
@@ -1080,7 +1080,7 @@ impl Workspace {
         let inline = self.route.host;
         let region = self.regions.current_mut()?;
         let (p, slot, off) = region.take(req.class, req.slot, req.size, self.cycles.epoch)?;
-        region.set_stamp(off, self.accounts.closes);
+        region.set_stamp(off, self.cycles.completed);
         // Host memory is zero-filled when mapped: never-carved memory needs no write.
         let clear = req.zeroed && !(inline && region.is_fresh(off));
         // A large one is zeroed without making more of it resident (its pages not resident now
@@ -1150,7 +1150,7 @@ impl Workspace {
         // SAFETY: a block of ours just taken off the cache: its header is ours to write.
         unsafe {
             h.as_ptr().write(BlockHeader::live(BlockKind::External, self.token, 0, slot, req.size, self.cycles.epoch));
-            (*h.as_ptr()).set_stamp(self.accounts.closes);
+            (*h.as_ptr()).set_stamp(self.cycles.completed);
         };
         self.accounts.count_external(req.size, slot);
         // SAFETY: `p` is valid for `size <= slot - HEADER` bytes of the backend's memory.
@@ -1186,13 +1186,9 @@ impl Workspace {
             self.cycles.trimmed = true;
             self.limit.upstream().trim();
         }
-        let epoch = self.cycles.epoch;
+        let stamp = (self.cycles.epoch, self.cycles.completed);
         let p =
-            self.within_limit(req.size, |ws| ws.own.new_block(BlockKind::External, req.size, len, req.zeroed, epoch))?;
-        if let Some(h) = self.own.header_of(p) {
-            // SAFETY: the header of the block just made, ours to write.
-            unsafe { (*h.as_ptr()).set_stamp(self.accounts.closes) };
-        }
+            self.within_limit(req.size, |ws| ws.own.new_block(BlockKind::External, req.size, len, req.zeroed, stamp))?;
         self.accounts.count_external(req.size, len);
         self.own.peaks.made = self.own.peaks.made.saturating_add(len);
         let peak = self.own.peaks.peak();
@@ -1203,9 +1199,9 @@ impl Workspace {
     /// Rung 2: a block outside the workspace's accounts and limit (`helper_min_size`, the bypass
     /// mode, and code still running after `destroy`).
     fn bypass_block(&mut self, req: Request) -> Result<NonNull<u8>, Error> {
-        let epoch = self.cycles.epoch;
+        let stamp = (self.cycles.epoch, self.cycles.completed);
         self.own
-            .new_block(BlockKind::Bypass, req.size, req.slot, req.zeroed, epoch)
+            .new_block(BlockKind::Bypass, req.size, req.slot, req.zeroed, stamp)
             .map_err(|cause| self.system_refused(req.size, cause))
     }
 
@@ -1307,7 +1303,7 @@ impl Workspace {
                         // SAFETY: the header is live, names this region and is not borrowed.
                         unsafe { r.release(hp) };
                         self.accounts.uncount_arena(requested, slot);
-                        self.accounts.forget_stamped(slot, stamp);
+                        self.accounts.forget_stamped(slot, stamp, self.cycles.completed);
                         return true;
                     }
                 }
@@ -1394,7 +1390,7 @@ impl Workspace {
                         self.cycles.kept_here.1 = self.cycles.kept_here.1.saturating_sub(1);
                     }
                 } else {
-                    self.accounts.forget_stamped(slot, stamp);
+                    self.accounts.forget_stamped(slot, stamp, self.cycles.completed);
                 }
                 self.accounts.uncount_arena(size, slot);
                 // SAFETY: the header is live, not borrowed, and names the region it lies in.
@@ -1425,7 +1421,7 @@ impl Workspace {
                     self.accounts.unpin(size, slot);
                     self.own.peaks.free_earlier(slot);
                 } else {
-                    self.accounts.forget_stamped(slot, stamp);
+                    self.accounts.forget_stamped(slot, stamp, self.cycles.completed);
                 }
                 self.accounts.uncount_external(size, slot);
                 // After a remap, state of earlier cycles goes back as it is freed, but for the
