@@ -24,7 +24,7 @@
 use std::ptr::{addr_of, NonNull};
 use std::sync::Arc;
 
-use crate::backend::{AnonymousMemory, Backend, BLOCK_ALIGN};
+use crate::backend::{AnonymousMemory, Backend, BLOCK_ALIGN, HUGE_PAGE_THRESHOLD};
 use crate::classes::{class_of, class_size, ClassSet, CLASSES, PAGE_ALIGNED_FROM};
 use crate::error::BackendError;
 use crate::fallible::try_box;
@@ -397,7 +397,27 @@ impl ArenaRegion {
             poisons: meta == data,
         };
         region.take_tail(0);
+        if mapped > capacity {
+            region.advise_huge_pages();
+        }
         Ok(region)
+    }
+
+    /// Huge pages for what the region serves once that reaches the size the backend gives them
+    /// to ([`HUGE_PAGE_THRESHOLD`], as NumPy does for its arrays), and none in its room to grow:
+    /// a huge page straddling the end of what it serves would make up to 2 MiB resident that no
+    /// block uses, and a region with room is advised as one without would be.
+    fn advise_huge_pages(&self) {
+        if self.mapped < HUGE_PAGE_THRESHOLD {
+            // The mapping was given no advice, and nothing it serves calls for any.
+            return;
+        }
+        self.backend.huge_pages(self.data, self.capacity, self.capacity >= HUGE_PAGE_THRESHOLD);
+        if self.mapped > self.capacity {
+            // SAFETY: `capacity < mapped`: the offset lies inside the mapping.
+            let room = unsafe { self.data.add(self.capacity) };
+            self.backend.huge_pages(room, self.mapped - self.capacity, false);
+        }
     }
 
     /// The end of the memory ever carved from this region (or carved since it was last released
@@ -537,6 +557,7 @@ impl ArenaRegion {
             // The tail, or a walk, reaches the new end from here on.
             self.capacity = capacity;
         }
+        self.advise_huge_pages();
         true
     }
 

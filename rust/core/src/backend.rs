@@ -63,7 +63,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::arena::{HEADER, LARGE_DATA_ALIGN};
@@ -134,6 +134,26 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// changed. The default does nothing: the pages fault in on first use.
     fn populate(&self, ptr: NonNull<u8>, len: usize) {
         let _ = (ptr, len);
+    }
+
+    /// Gives the whole pages of `[ptr, ptr + len)`, inside one block of
+    /// [`Backend::alloc_block`], back to the system just before the block is freed, where its
+    /// source would keep them resident for reuse (the C heap keeps freed blocks in its free
+    /// lists). The default does nothing.
+    ///
+    /// # Safety
+    /// The range lies in one live block of this backend, owned by the caller, whose bytes are not
+    /// read again; the block is freed next.
+    unsafe fn give_back_pages(&self, ptr: NonNull<u8>, len: usize) {
+        let _ = (ptr, len);
+    }
+
+    /// Advises whether the whole pages of `[ptr, ptr + len)`, within a region from
+    /// [`Backend::map`], are to be backed by huge pages where they fault in (`on`) or never (a
+    /// region's room to grow, which a huge page straddling its end would make resident). The
+    /// default does nothing.
+    fn huge_pages(&self, ptr: NonNull<u8>, len: usize, on: bool) {
+        let _ = (ptr, len, on);
     }
 
     /// Returns to the system what the block allocator keeps of freed blocks (the C heap's free
@@ -493,6 +513,32 @@ impl Backend for AnonymousMemory {
         prefault(ptr, len);
     }
 
+    /// # Safety
+    /// As for [`Backend::give_back_pages`].
+    unsafe fn give_back_pages(&self, ptr: NonNull<u8>, len: usize) {
+        let page = page_size();
+        let (a, b) = ((ptr.as_ptr() as usize).next_multiple_of(page), (ptr.as_ptr() as usize + len) / page * page);
+        if a < b {
+            // SAFETY: whole pages inside a block of ours from the C heap (private anonymous
+            // memory, from its heap or a mapping of its own), whose bytes nobody reads again:
+            // they read back as zeros. The C heap's own records lie outside the block (its
+            // chunk header in front, the next chunk's behind) and are written only by `free`,
+            // after this.
+            unsafe { libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_DONTNEED) };
+        }
+    }
+
+    fn huge_pages(&self, ptr: NonNull<u8>, len: usize, on: bool) {
+        let page = page_size();
+        let (a, b) = ((ptr.as_ptr() as usize).next_multiple_of(page), (ptr.as_ptr() as usize + len) / page * page);
+        if a < b {
+            let advice = if on { libc::MADV_HUGEPAGE } else { libc::MADV_NOHUGEPAGE };
+            // SAFETY: advice on whole pages of one of our own mappings (the caller's range lies in
+            // one); it changes no byte, and a refusal (no THP support) is harmless.
+            unsafe { libc::madvise(a as *mut libc::c_void, b - a, advice) };
+        }
+    }
+
     fn discard_zeroes(&self) -> bool {
         // Miri runs no `madvise` (see the shim above): there the pages keep their bytes.
         !cfg!(miri)
@@ -663,6 +709,9 @@ pub struct FileMappedMemory {
     path: PathBuf,
     /// Open files by mapping address, with the named path each created, if any.
     files: std::sync::Mutex<Vec<(usize, File, Option<CreatedFile>)>>,
+    /// Cleared once the file system refused to punch a hole (`MADV_REMOVE`): it is not asked
+    /// again.
+    punches_holes: AtomicBool,
 }
 
 /// A named file a region created: removed when the region is released, by the process that
@@ -844,7 +893,11 @@ fn io_error(op: &'static str, len: usize, e: &std::io::Error) -> BackendError {
 impl FileMappedMemory {
     pub fn new(path: impl Into<PathBuf>) -> Self {
         register_fork_handlers();
-        FileMappedMemory { path: path.into(), files: std::sync::Mutex::new(Vec::new()) }
+        FileMappedMemory {
+            path: path.into(),
+            files: std::sync::Mutex::new(Vec::new()),
+            punches_holes: AtomicBool::new(true),
+        }
     }
 
     /// A new file in `dir`, unlinked once open.
@@ -989,9 +1042,23 @@ impl Backend for FileMappedMemory {
         // data; the file under it is this region's alone (created for it, or unnamed), and a
         // forked child maps a private snapshot of its own, so no one else reads what goes.
         unsafe {
-            libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_REMOVE) == 0
-                || libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTNEED) == 0
+            if self.punches_holes.load(Ordering::Relaxed) {
+                if libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_REMOVE) == 0 {
+                    return true;
+                }
+                if std::io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP) {
+                    self.punches_holes.store(false, Ordering::Relaxed);
+                }
+            }
+            libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTNEED) == 0
         }
+    }
+
+    /// # Safety
+    /// As for [`Backend::give_back_pages`].
+    unsafe fn give_back_pages(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: a block of `alloc_block`, which is `AnonymousMemory`'s.
+        unsafe { AnonymousMemory.give_back_pages(ptr, len) }
     }
 
     /// Blocks outside the file-backed arena (spills, first cycles) come from the C heap, as
@@ -1103,6 +1170,17 @@ impl Backend for OpaqueMemory {
 /// and copying go straight through.
 macro_rules! forward_data_access {
     () => {
+        fn huge_pages(&self, ptr: NonNull<u8>, len: usize, on: bool) {
+            self.upstream.huge_pages(ptr, len, on);
+        }
+
+        /// # Safety
+        /// As for [`Backend::give_back_pages`].
+        unsafe fn give_back_pages(&self, ptr: NonNull<u8>, len: usize) {
+            // SAFETY: forwarded with the caller's guarantee.
+            unsafe { self.upstream.give_back_pages(ptr, len) }
+        }
+
         fn block_align(&self) -> usize {
             self.upstream.block_align()
         }

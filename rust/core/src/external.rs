@@ -33,6 +33,11 @@ use crate::sanitizer::{poison, unpoison};
 /// A class unused for this many cycles gives its cached blocks back.
 const CACHE_CYCLES: u64 = 2;
 
+/// Bytes from which a block superseded by the arena gives its pages back to the system as it is
+/// released ([`OwnBlocks::release_superseded`]): sixteen pages, where one system call costs less
+/// than the memory it returns is worth.
+const GIVE_BACK_FROM: usize = 64 << 10;
+
 /// Hashes block addresses (multiples of 64) by multiplication: cheap, and spreads consecutive
 /// blocks over the table.
 #[derive(Default, Clone, Copy)]
@@ -343,6 +348,21 @@ impl OwnBlocks {
         unsafe { self.source(kind).free_block(p, slot - HEADER) };
     }
 
+    /// As [`OwnBlocks::release`], for a block whose size the arena now serves: its pages go back
+    /// to the system with it. The C heap would keep them resident in its free lists for requests
+    /// that no longer come to it, beside the arena's pages that serve those requests now.
+    ///
+    /// # Safety
+    /// As for [`OwnBlocks::release`].
+    pub unsafe fn release_superseded(&mut self, p: NonNull<u8>, slot: usize, kind: BlockKind) {
+        if slot >= GIVE_BACK_FROM && self.inline {
+            // SAFETY: the block's data, `slot - HEADER` bytes at `p`, is ours and released next.
+            unsafe { self.source(kind).give_back_pages(p, slot - HEADER) };
+        }
+        // SAFETY: forwarded.
+        unsafe { self.release(p, slot, kind) }
+    }
+
     /// A cached block that serves class `class` (its header says free; the caller rewrites it
     /// live), and its slot.
     #[inline]
@@ -408,6 +428,18 @@ impl OwnBlocks {
         while self.cache.bytes > bytes {
             let Some(class) = self.cache.nonempty.iter_desc().next() else { break };
             self.release_one(class);
+        }
+    }
+
+    /// Gives every cached block back, with its pages ([`OwnBlocks::release_superseded`]): the
+    /// arena now serves their classes.
+    pub fn release_superseded_cache(&mut self) {
+        loop {
+            let Some(class) = self.cache.nonempty.iter_desc().next() else { break };
+            let (p, slot) = self.pop(class);
+            // SAFETY: taken off the cache just above: nothing else refers to it; cached blocks
+            // are external ones.
+            unsafe { self.release_superseded(p, slot, BlockKind::External) };
         }
     }
 

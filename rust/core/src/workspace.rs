@@ -857,9 +857,10 @@ impl Workspace {
             self.regions.current().map(ArenaRegion::id) != region_before || self.regions.current_capacity() > current;
         if self.cycles.remapped {
             self.cycles.remapped_at = self.cycles.completed;
-            // An arena now serves what blocks of their own served this cycle: the cached ones,
-            // and what the block allocator keeps of the others, would only add to the arena.
-            self.own.shrink_to(0);
+            // An arena now serves what blocks of their own served this cycle: the cached ones
+            // (their pages too, which the C heap would keep), and what the block allocator keeps
+            // of the others, would only add to the arena.
+            self.own.release_superseded_cache();
             if self.own.peaks.made >= TRIM_AFTER {
                 self.limit.upstream().trim();
             }
@@ -1431,6 +1432,9 @@ impl Workspace {
                 if self.route.caches && !self.cycles.destroyed && !superseded {
                     // SAFETY: the caller gives the block up; it is put once.
                     unsafe { self.own.put_cached(p, slot, self.cycles.completed) };
+                } else if superseded && self.route.caches {
+                    // SAFETY: as above.
+                    unsafe { self.own.release_superseded(p, slot, BlockKind::External) };
                 } else {
                     // SAFETY: as above.
                     unsafe { self.own.release(p, slot, BlockKind::External) };

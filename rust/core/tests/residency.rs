@@ -173,3 +173,145 @@ fn a_destroyed_workspace_returns_pages_as_its_blocks_die() {
     // SAFETY: live, freed once.
     unsafe { w.free(keep) };
 }
+
+/// The flags (`VmFlags` of `/proc/self/smaps`) of each mapping that overlaps `[addr, addr + len)`.
+fn vm_flags(addr: usize, len: usize) -> Vec<String> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut out = Vec::new();
+    let mut overlaps = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-').filter(|(a, _)| !a.is_empty() && !a.ends_with(':')) {
+            if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                overlaps = a < addr + len && addr < b;
+                continue;
+            }
+        }
+        if overlaps && first == "VmFlags:" {
+            out.push(line.to_string());
+        }
+    }
+    out
+}
+
+/// The current arena region: its address and its length as mapped.
+fn region(w: &Workspace) -> (usize, usize) {
+    let segments = w.segments().unwrap();
+    let r = segments.iter().find(|s| s.kind == history::SegmentKind::Region).expect("an arena region");
+    (r.address, r.size)
+}
+
+/// Two tasks in turn: the first opens a cycle, makes `count` temporaries of `size` bytes
+/// (written whole), frees them and closes its cycle while the second's cycle stays open.
+fn one_step_beside_another(w: &mut Workspace, count: usize, size: usize) {
+    w.open_cycle().unwrap();
+    let blocks: Vec<_> = (0..count).map(|_| w.alloc(size).unwrap()).collect();
+    for &b in &blocks {
+        // SAFETY: a live block of `size` bytes.
+        unsafe { b.as_ptr().write_bytes(5, size) };
+    }
+    for b in blocks {
+        // SAFETY: live, freed once.
+        unsafe { w.free(b) };
+    }
+    w.close_cycle().unwrap();
+}
+
+#[test]
+fn a_region_with_room_to_grow_takes_huge_pages_only_where_it_serves_4_mib_or_more() {
+    let _alone = alone();
+    let mut w = Workspace::new("ROOM", WorkspaceConfiguration::adaptive()).unwrap();
+    // Cycles that overlap for good (asyncio tasks in turn): the arena maps room to grow.
+    w.open_cycle().unwrap();
+    one_step_beside_another(&mut w, 12, 256 << 10);
+    let (at, mapped) = region(&w);
+    let capacity = w.stats().capacity_bytes as usize;
+    assert!(capacity < 4 * MIB && mapped >= 4 * MIB, "a region under 4 MiB with room past it: {capacity} of {mapped}");
+    // A region that serves under 4 MiB takes no huge page (a 2 MiB page straddling its end would
+    // make resident what no block uses), in what it serves and in its room alike.
+    let flags = vm_flags(at, mapped);
+    assert!(!flags.is_empty() && flags.iter().all(|f| !f.contains(" hg")), "huge-page advice under 4 MiB: {flags:?}");
+    // Grown where it lies past 4 MiB: huge pages for what it serves, none for its room.
+    one_step_beside_another(&mut w, 20, 256 << 10);
+    let grown = w.stats().capacity_bytes as usize;
+    assert_eq!(region(&w), (at, mapped), "grown where it lies");
+    assert!(grown >= 4 * MIB && grown < mapped, "grown past 4 MiB within its room: {grown} of {mapped}");
+    assert!(vm_flags(at, grown).iter().all(|f| f.contains(" hg")), "{:?}", vm_flags(at, grown));
+    let room = vm_flags(at + grown, mapped - grown);
+    assert!(room.iter().all(|f| !f.contains(" hg")), "huge-page advice in the room to grow: {room:?}");
+    w.close_cycle().unwrap();
+}
+
+#[test]
+fn blocks_the_arena_supersedes_give_their_pages_back_as_they_are_freed() {
+    let _alone = alone();
+    // The C heap keeps what is freed (no trim, no mappings of its own), as it does for blocks
+    // under its thresholds; its defaults are set again at the end.
+    // SAFETY: plain glibc calls without preconditions.
+    unsafe {
+        assert_eq!(libc::mallopt(libc::M_MMAP_THRESHOLD, 16 << 20), 1);
+        assert_eq!(libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30), 1);
+    }
+    let mut w = Workspace::new("SUPERSEDED", WorkspaceConfiguration::adaptive()).unwrap();
+    // Two tasks' first cycles, each holding temporaries, outside any arena yet.
+    w.open_cycle().unwrap();
+    w.open_cycle().unwrap();
+    let held: Vec<_> = (0..32).map(|_| w.alloc(256 << 10).unwrap()).collect();
+    for &b in &held {
+        // SAFETY: a live block of 256 KiB.
+        unsafe { b.as_ptr().write_bytes(7, 256 << 10) };
+    }
+    // One closes beside the other: the arena, sized now, serves these sizes from here on.
+    w.close_cycle().unwrap();
+    assert!(w.stats().capacity_bytes >= 8 * MIB as u64, "{:?}", w.stats());
+    let before = resident_bytes();
+    for b in held {
+        // SAFETY: live, freed once.
+        unsafe { w.free(b) };
+    }
+    let given = before as isize - resident_bytes() as isize;
+    w.close_cycle().unwrap();
+    // SAFETY: as above.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 128 << 10);
+    }
+    assert_eq!(w.external_cached_bytes(), 0, "blocks the arena supersedes are not cached");
+    assert!(given >= 6 * MIB as isize, "8 MiB of superseded blocks gave back {} MiB", given >> 20);
+}
+
+#[test]
+fn a_first_cycles_cached_blocks_give_their_pages_back_as_the_arena_takes_over() {
+    let _alone = alone();
+    // The C heap keeps what is freed, as in the test above; and the process's return of the C
+    // heap's free memory (at most once a second) has just run, as it may have for another
+    // workspace a moment before: the arena's takeover cannot count on it.
+    // SAFETY: plain glibc calls without preconditions.
+    unsafe {
+        assert_eq!(libc::mallopt(libc::M_MMAP_THRESHOLD, 16 << 20), 1);
+        assert_eq!(libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30), 1);
+    }
+    AnonymousMemory.trim();
+    let mut w = Workspace::new("TAKEOVER", WorkspaceConfiguration::adaptive()).unwrap();
+    w.enter().unwrap();
+    let blocks: Vec<_> = (0..32).map(|_| w.alloc(256 << 10).unwrap()).collect();
+    for &b in &blocks {
+        // SAFETY: a live block of 256 KiB.
+        unsafe { b.as_ptr().write_bytes(9, 256 << 10) };
+    }
+    for b in blocks {
+        // SAFETY: live, freed once: cached for the cycle's next requests of its class.
+        unsafe { w.free(b) };
+    }
+    assert!(w.external_cached_bytes() >= 8 * MIB, "the first cycle caches its blocks");
+    let before = resident_bytes();
+    w.exit().unwrap(); // the arena is mapped (pre-faulted as the next cycle opens)
+    let given = before as isize - resident_bytes() as isize;
+    // SAFETY: as above.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 128 << 10);
+    }
+    assert!(w.stats().capacity_bytes >= 8 * MIB as u64 && w.external_cached_bytes() == 0, "{:?}", w.stats());
+    assert!(given >= 6 * MIB as isize, "8 MiB of cached blocks gave back {} MiB", given >> 20);
+}
