@@ -2,8 +2,9 @@
 # The one abi3 wheel on the other CPython versions it supports (3.12, 3.13), where this machine
 # has them (on PATH, or pyenv's): the wheel is built once, installed into a fresh virtual
 # environment per interpreter beside NumPy and the test tools, and the Python tests run there
-# against it. An interpreter this machine lacks is named and skipped. Run after scripts/test.sh,
-# which makes .venv (and its maturin).
+# against it. On 3.12 beside NumPy 1 (the package supports NumPy from 1.22: its last line, 1.26,
+# is still what many environments pin), on 3.13 beside NumPy 2. An interpreter this machine lacks
+# is named and skipped. Run after scripts/test.sh, which makes .venv (and its maturin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step() { printf '\n==> %s\n' "$*"; }
@@ -29,7 +30,9 @@ wheel=$(ls "$wheels"/*.whl)
 echo "$wheel"
 
 for v in 3.12 3.13; do
-    step "python tests on CPython $v, against the abi3 wheel"
+    numpy="numpy>=2"
+    [ "$v" = 3.12 ] && numpy="numpy>=1.26,<2"
+    step "python tests on CPython $v with $numpy, against the abi3 wheel"
     py=$(find_python "$v")
     if [ -z "$py" ]; then
         echo "skipped: no CPython $v on this machine (neither python$v on PATH nor pyenv's)"
@@ -38,10 +41,10 @@ for v in 3.12 3.13; do
     env=target/venv-$v
     rm -rf "$env"
     "$py" -m venv "$env"
-    "$env/bin/python" -m pip install -q --disable-pip-version-check "numpy>=1.22" "pytest>=8" \
+    "$env/bin/python" -m pip install -q --disable-pip-version-check "$numpy" "pytest>=8" \
         "pytest-timeout>=2" "hypothesis>=6.100" "$wheel"
     # The repository's root holds no `rustws` package (the sources are under python/), so the
     # tests import the wheel just installed.
-    "$env/bin/python" -c 'import rustws, sys; print(sys.version.split()[0], rustws.__file__)'
+    "$env/bin/python" -c 'import numpy, rustws, sys; print(sys.version.split()[0], numpy.__version__, rustws.__file__)'
     "$env/bin/python" -m pytest -q -p no:cacheprovider
 done

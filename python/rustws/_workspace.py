@@ -353,7 +353,8 @@ class Workspace(_rustws.WorkspaceCore):
     ) -> NDArray[Any]: ...
     def ones(self, shape: ShapeLike, dtype: DTypeLike | None = float, order: OrderCF = "C") -> Any:
         """As ``np.ones``, over workspace memory."""
-        return type(self).full(self, shape, 1, np.dtype(dtype), order)
+        # The dtype as given: the shape is read first, as NumPy reads it.
+        return type(self).full(self, shape, 1, float if dtype is None else dtype, order)
 
     def _like(self, a: Any, dtype: Any, order: str, subok: bool, shape: Any, zeroed: bool) -> Any:
         """NumPy's ``empty_like`` and (``zeroed``) ``zeros_like`` past the bindings' fast path."""
@@ -492,14 +493,17 @@ def _fill(a: NDArray[Any], value: Any) -> None:
     """Fills ``a`` as ``np.full`` does, ``copyto(a, value, casting="unsafe")`` (an array value
     broadcasts; NaN into integers, complex into reals, datetimes into integers convert as NumPy
     converts them); ``ndarray.fill``, which is quicker, where it gives the same: a Python int
-    into integers, a Python float into floating or complex numbers, a small Python int into those
-    (exact even in float16), a bool into bools."""
+    into integers whose range holds it (NumPy 1's ``fill`` warns of one out of range, which
+    ``copyto`` casts), a Python float into floating or complex numbers, a small Python int into
+    those (exact even in float16), a bool into bools."""
     kind, t = a.dtype.kind, type(value)
-    if (
-        (t is int and (kind in "iu" or (kind in "fc" and -2048 <= value <= 2048)))
-        or (t is float and kind in "fc")
-        or (t is bool and kind == "b")
-    ):
+    if t is int and kind in "iu":
+        bits = 8 * a.dtype.itemsize
+        low, high = (0, 1 << bits) if kind == "u" else (-(1 << (bits - 1)), 1 << (bits - 1))
+        fits = low <= value < high
+    else:
+        fits = (t is int and kind in "fc" and -2048 <= value <= 2048) or (t is float and kind in "fc")
+    if fits or (t is bool and kind == "b"):
         a.fill(value)
     else:
         np.copyto(a, value, casting="unsafe")

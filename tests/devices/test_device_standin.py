@@ -320,11 +320,17 @@ def test_numpy_consumes_the_capsules_zero_copy():
     view = np.from_dlpack(a)
     assert view.ctypes.data == a.ptr and view.flags.f_contiguous
     np.testing.assert_array_equal(view, np.arange(24.0).reshape(4, 6))
-    view[0, 0] = -5.0
-    assert a.to_numpy()[0, 0] == -5.0
-    legacy = np.from_dlpack(
-        types.SimpleNamespace(__dlpack__=lambda **kw: a.__dlpack__(), __dlpack_device__=a.__dlpack_device__)
-    )
+    ctypes.c_double.from_address(a.ptr).value = -5.0  # (NumPy 1's DLPack arrays are read-only)
+    assert view[0, 0] == -5.0 and a.to_numpy()[0, 0] == -5.0
+
+    class Legacy:  # a producer that takes no keywords (NumPy reads the methods off the type)
+        def __dlpack__(self, **kw):
+            return a.__dlpack__()
+
+        def __dlpack_device__(self):
+            return a.__dlpack_device__()
+
+    legacy = np.from_dlpack(Legacy())
     assert legacy.ctypes.data == a.ptr
     copied = np.from_dlpack(a, copy=True) if np.lib.NumpyVersion(np.__version__) >= "2.1.0" else None
     if copied is not None:

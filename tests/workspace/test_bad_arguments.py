@@ -28,7 +28,8 @@ def cfg(**kw):
         ((1 << 62,), (ValueError, MemoryError)),
         ("3", TypeError),
         ((2.5,), TypeError),
-        (None, TypeError),
+        # NumPy 1 reads None as (), with a DeprecationWarning (an error under this suite's filter).
+        (None, TypeError if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else DeprecationWarning),
         (object(), TypeError),
         (tuple(range(1, 70)), ValueError),
         (1 << 70, (TypeError, OverflowError, ValueError)),

@@ -76,6 +76,18 @@ impl Dims {
     }
 }
 
+/// Whether `shape` is None read as NumPy 1 reads it, `()` with a `DeprecationWarning` (given
+/// here, first, as NumPy gives it before it reads the other arguments). NumPy 2 refuses it.
+pub(crate) fn none_as_no_dimensions(shape: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if !shape.is_none() || numpy::npyffi::is_numpy_2(shape.py()) {
+        return Ok(false);
+    }
+    let py = shape.py();
+    let msg = c"Passing None into shape arguments as an alias for () is deprecated.";
+    PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyDeprecationWarning>(), msg, 1)?;
+    Ok(true)
+}
+
 /// A shape: an int or a sequence of ints. Tuples (the common case) are read without detours.
 pub(crate) fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
     let mut dims = Dims::new();
@@ -83,6 +95,9 @@ pub(crate) fn extract_shape(shape: &Bound<'_, PyAny>) -> PyResult<Dims> {
         for item in t.iter() {
             dims.push(extract_dim(&item)?)?;
         }
+        return Ok(dims);
+    }
+    if none_as_no_dimensions(shape)? {
         return Ok(dims);
     }
     if shape.is_instance_of::<PyBool>() {

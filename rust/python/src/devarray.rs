@@ -18,7 +18,7 @@ use pyo3::exceptions::{PyAttributeError, PyBufferError, PyTypeError, PyValueErro
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple};
 
-use crate::arrays::{extract_descr, extract_shape};
+use crate::arrays::{extract_descr, extract_shape, none_as_no_dimensions};
 use crate::device::{Block, Memory};
 use crate::dlpack::dlpack_capsule;
 use crate::errors::{self, to_py};
@@ -842,6 +842,13 @@ pub(crate) fn new_device_array<'py>(
     zeroed: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = workspace.py();
+    let no_dimensions;
+    let shape = if none_as_no_dimensions(shape)? {
+        no_dimensions = PyTuple::empty(py).into_any();
+        &no_dimensions
+    } else {
+        shape
+    };
     // The dtype first, then the shape: a call wrong in both fails as NumPy's does.
     let descr = match dtype {
         Some(d) if d.is_instance_of::<PyArrayDescr>() => {
