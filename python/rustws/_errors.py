@@ -8,6 +8,7 @@ their cycle under ``RUSTWS_STRICT=1``), ``KeyError`` for lookups.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -36,7 +37,9 @@ class WorkspaceOutOfMemory(WorkspaceError, MemoryError):
     blocks), ``limit`` (``max_size``, or the arena's capacity where there is none), ``footprint``
     (bytes the workspace held from the system), ``pinned`` (bytes of blocks that outlived their
     cycle), ``cached`` (bytes kept for reuse), ``largest_free`` (the largest request the arena's
-    free memory could still serve), ``room`` (bytes the limit still grants) and ``reason``; for a
+    free memory could still serve), ``room`` (bytes the limit still grants), ``takes`` (bytes the
+    request takes where it is placed: its size class, a header and any alignment filler),
+    ``held`` (bytes the live blocks take, counted alike) and ``reason``; for a
     refusal of the system, ``system`` says what the system refused (``None`` for the workspace's
     own refusals). ``verdict`` says what caused a refusal of the workspace (the limit, the
     arena's fragmentation, the spill policy) and what to change; it is also the error's note.
@@ -51,6 +54,8 @@ class WorkspaceOutOfMemory(WorkspaceError, MemoryError):
     cached: int | None = None
     largest_free: int | None = None
     room: int | None = None
+    takes: int | None = None
+    held: int | None = None
     reason: str | None = None
     system: str | None = None
     verdict: str | None = None
@@ -108,6 +113,8 @@ def _refused(
     cached: int,
     largest_free: int,
     room: int,
+    takes: int,
+    held: int,
     reason: str,
 ) -> WorkspaceOutOfMemory:
     size = "more bytes than a size holds" if requested >= 2**64 - 1 else f"{requested} bytes"
@@ -117,7 +124,7 @@ def _refused(
     )
     e.workspace, e.requested, e.in_use, e.limit = workspace, requested, in_use, limit
     e.footprint, e.pinned, e.cached, e.reason = footprint, pinned, cached, reason
-    e.largest_free, e.room = largest_free, room
+    e.largest_free, e.room, e.takes, e.held = largest_free, room, takes, held
     e.verdict = _verdict(e)
     e.add_note(e.verdict)
     if _refusal_hook is not None:
@@ -133,10 +140,13 @@ def _verdict(e: WorkspaceOutOfMemory) -> str:
     """What caused a refusal of the workspace, and what to change."""
     req, live, limit = e.requested or 0, e.in_use or 0, e.limit or 0
     pinned, largest, room = e.pinned or 0, e.largest_free or 0, e.room or 0
+    # What the advice must cover: the request and the live blocks as the workspace places them
+    # (size classes, headers, fillers), not as they were asked for.
+    takes, held = max(e.takes or 0, req), max(e.held or 0, live)
     facts = (
-        f"request {_fmt(req)}, limit {_fmt(limit)}, live {_fmt(live)} (pinned {_fmt(pinned)}), "
-        f"cached {_fmt(e.cached or 0)}, largest free block in the arena {_fmt(largest)}, "
-        f"room under the limit {_fmt(room)}"
+        f"request {_fmt(req)} (taking {_fmt(takes)}), limit {_fmt(limit)}, live {_fmt(live)} "
+        f"(pinned {_fmt(pinned)}), cached {_fmt(e.cached or 0)}, largest request the arena's free "
+        f"memory serves {_fmt(largest)}, room under the limit {_fmt(room)}"
     )
     if req >= 2**64 - 1 or e.reason == "request too large":
         cause = "the request itself is too large for any workspace"
@@ -147,13 +157,13 @@ def _verdict(e: WorkspaceOutOfMemory) -> str:
     elif e.reason and "FAIL" in e.reason:
         cause = "the spill policy FAIL: the arena cannot hold the request and spills are refused"
         change = (
-            f"size the arena for the cycle (initial_size of at least {_fmt(live + req)}; "
+            f"size the arena for the cycle (initial_size of at least {_fmt(held + takes, up=True)}; "
             "rustws.memory.recommend() computes one from a recording) or allow spills "
             "(policy_spill=EXTERNAL or REALLOCATE)"
         )
-    elif live + req > limit:
+    elif held + takes > limit:
         cause = "the limit: the live blocks and the request together exceed max_size"
-        change = f"raise max_size to at least {_fmt(live + req)}"
+        change = f"raise max_size to at least {_fmt(held + takes, up=True)}"
         if pinned:
             change += (
                 f", or let go of the arrays kept from earlier cycles ({_fmt(pinned)} pinned "
@@ -161,27 +171,30 @@ def _verdict(e: WorkspaceOutOfMemory) -> str:
             )
     else:
         cause = (
-            f"fragmentation: {_fmt(limit - live)} under the limit is not live, but no free "
+            f"fragmentation: {_fmt(max(limit - held, 0))} under the limit is not live, but no free "
             f"block holds the request (the arena's largest is {_fmt(largest)}, and the limit "
             f"grants {_fmt(room)} more)"
         )
         change = (
-            f"raise max_size by {_fmt(req - min(req, room))}, size the arena up front so the "
+            f"raise max_size by {_fmt(takes - min(takes, room), up=True)}, size the arena up front so the "
             "cycle's blocks fit in it (initial_size; rustws.memory.recommend() computes one), or "
             "free the long-lived arrays that split the arena"
         )
     return f"rustws verdict: {cause}. {facts}. To change: {change}."
 
 
-def _fmt(n: int) -> str:
+def _fmt(n: int, up: bool = False) -> str:
+    """`n` bytes for a reader; `up`: never below `n` (a size to set, which must be enough)."""
     if abs(n) < 1024:
         return f"{n} B"
     x = float(n)
-    for unit in ("KiB", "MiB", "GiB"):
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         x /= 1024
-        if abs(x) < 1024:
-            return f"{x:.1f} {unit}"
-    return f"{x / 1024:.1f} TiB"
+        if abs(x) < 1024 or unit == "TiB":
+            break
+    if up:
+        x = math.ceil(x * 10) / 10
+    return f"{x:.1f} {unit}"
 
 
 def _system_refused(

@@ -107,3 +107,35 @@ def test_a_refusal_of_the_system_names_the_bytes_in_use_and_the_limit():
     assert (e.requested, e.in_use, e.limit) == (1 << 48, 1 << 20, arena) and arena >= 1 << 20
     assert f"cannot allocate {1 << 48} bytes: {1 << 20} bytes in use, limit {arena} bytes" in str(e)
     assert "the system refused memory: " in str(e) and e.__notes__[0].startswith("rustws verdict: the system")
+
+
+@pytest.mark.parametrize("nbytes", [50_000, 100_000, 200_000, 3_000_000])
+@pytest.mark.parametrize("field", ["initial_size", "max_size"])
+def test_an_arena_or_limit_of_the_size_the_verdict_names_serves_the_request(field, nbytes):
+    # The verdict counts the request as the workspace places it (its size class, a header, the
+    # filler of a page-aligned block), not as asked: a workspace sized as it says serves it.
+    from rustws._errors import _fmt
+
+    def config(size):
+        if field == "initial_size":
+            return rustws.WorkspaceConfiguration(
+                initial_size=size, policy_learning="NONE", policy_spill="FAIL", policy_allocation="STRICT"
+            )
+        return rustws.WorkspaceConfiguration(max_size=size, policy_spill="REALLOCATE")
+
+    ws = rustws.workspace(f"TOO SMALL {field}", config(nbytes))
+    with ws, pytest.raises(WorkspaceOutOfMemory) as info:
+        ws.empty(nbytes, np.uint8)
+    e = info.value
+    ws.destroy()
+    assert e.takes > nbytes and e.held == 0, e
+    assert f"{field} to at least {_fmt(e.held + e.takes, up=True)}" in e.verdict or (
+        f"{field} of at least {_fmt(e.held + e.takes, up=True)}" in e.verdict
+    ), e.verdict
+    assert e.largest_free < nbytes, e.verdict
+    ws = rustws.workspace(f"AS ADVISED {field}", config(e.held + e.takes))
+    with ws:  # exactly as large as it says: the check's own arrays come after
+        a = ws.empty(nbytes, np.uint8)
+    a[:] = 1
+    assert int(a.sum()) == nbytes
+    ws.destroy()

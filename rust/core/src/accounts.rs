@@ -6,7 +6,8 @@
 //! path (spills, frees of pinned blocks, cycle ends).
 
 use crate::arena::{HEADER, LARGE_DATA_ALIGN};
-use crate::classes::PAGE_ALIGNED_SIZE;
+use crate::backend::checked_round_to_page;
+use crate::classes::{class_of, class_size, floor_class, PAGE_ALIGNED_SIZE};
 use crate::learner::NEED_WINDOW;
 
 /// The statistics of the contract, all in bytes or counts.
@@ -123,6 +124,30 @@ const LARGE_SLOT: usize = PAGE_ALIGNED_SIZE + HEADER;
 /// The largest filler an arena puts in front of such a block.
 const MOST_PAD: usize = LARGE_DATA_ALIGN - HEADER;
 
+/// Bytes a request of `size` takes where it is placed: its class's slot (the class rounding and
+/// a header) and, for the classes whose data starts on a page, the most filler that asks for;
+/// past the classes, a mapping of whole pages with a header.
+pub(crate) fn takes(size: usize) -> usize {
+    match class_of(size.max(1)) {
+        Some(c) if class_size(c) + HEADER >= LARGE_SLOT => class_size(c) + HEADER + MOST_PAD,
+        Some(c) => class_size(c) + HEADER,
+        None => checked_round_to_page(size.saturating_add(HEADER)).unwrap_or(usize::MAX),
+    }
+}
+
+/// The largest request that a free run of `run` bytes serves wherever it lies: the largest
+/// class size that [`takes`] at most `run` (0 where none fits).
+pub(crate) fn largest_served(run: usize) -> usize {
+    let mut c = floor_class(run.saturating_sub(HEADER));
+    while let Some(k) = c {
+        if takes(class_size(k)) <= run {
+            return class_size(k);
+        }
+        c = k.checked_sub(1);
+    }
+    0
+}
+
 /// The most closes by which blocks are told apart by age where cycles overlap.
 const AGE_BUCKETS: usize = 64;
 
@@ -218,6 +243,11 @@ impl Accounts {
     #[inline(always)]
     fn own_live(&self) -> usize {
         self.live_slot - self.pinned_slot + (self.large_live - self.large_pinned) * MOST_PAD
+    }
+
+    /// What all live blocks take in an arena, fillers included (as [`takes`] counts a request).
+    pub fn held(&self) -> usize {
+        self.live_slot + self.large_live * MOST_PAD
     }
 
     /// A live block of `slot` bytes is gone.

@@ -95,9 +95,15 @@ pub struct Refusal {
     /// Bytes the workspace kept for reuse (cached blocks and mappings) when it refused, after
     /// giving back what it could.
     pub cached: u64,
-    /// The largest request the arena's free memory could still have served (its largest run
-    /// between live blocks, a header less; 0 without an arena).
+    /// The largest request the arena's free memory could still have served wherever its
+    /// largest run between live blocks lies (a size class whose slot, header and filler fit the
+    /// run; 0 without an arena).
     pub largest_free: u64,
+    /// Bytes the request takes where it is placed: its size class's slot, header and filler
+    /// included ([`Refusal::requested`] rounded as the workspace rounds it).
+    pub takes: u64,
+    /// Bytes the live blocks take, counted as [`Refusal::takes`] counts the request's.
+    pub held: u64,
     /// Bytes the limit still granted for new mappings and blocks.
     pub room: u64,
     pub reason: &'static str,
@@ -202,6 +208,8 @@ mod tests {
             pinned: 0,
             cached: 0,
             largest_free: 0,
+            takes: 128,
+            held: 64,
             room: 0,
             reason: "max_size reached",
         });

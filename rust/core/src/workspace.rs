@@ -44,7 +44,7 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::accounts::{Accounts, CycleReport, WorkspaceStats};
+use crate::accounts::{largest_served, takes, Accounts, CycleReport, WorkspaceStats};
 use crate::arena::ZERO_SPARING_MIN;
 use crate::arena::{is_live_arena, live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
 use crate::backend::{available_memory, round_to_page, AnonymousMemory, Backend, FileMappedMemory, LimitAdaptor};
@@ -519,7 +519,9 @@ impl Workspace {
             footprint: self.footprint() as u64,
             pinned: self.accounts.pinned,
             cached: (self.own.cached_bytes() + self.huge.cached().1) as u64,
-            largest_free: self.regions.current().map_or(0, |r| r.largest_free().saturating_sub(HEADER)) as u64,
+            largest_free: self.regions.current().map_or(0, |r| largest_served(r.largest_free())) as u64,
+            takes: if requested == u64::MAX { u64::MAX } else { takes(requested as usize) as u64 },
+            held: self.accounts.held() as u64,
             room: room as u64,
             reason,
         })

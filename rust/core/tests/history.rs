@@ -130,7 +130,13 @@ fn a_refusal_is_the_last_event_and_names_the_largest_free_run() {
     let kept_block = region.blocks[0];
     assert_eq!(kept_block.addr, kept.as_ptr() as usize);
     let free_run = region.address + region.size - (kept_block.addr + kept_block.size);
-    assert_eq!(r.largest_free, (free_run - HEADER) as u64);
+    // The largest request that run serves: a size class whose slot, header and filler (a page
+    // less a header, for the classes that start on a page) fit it, and the next class's do not.
+    let takes = |size: usize| size + HEADER + if size >= classes::PAGE_ALIGNED_SIZE { 4096 - HEADER } else { 0 };
+    let c = classes::class_of(r.largest_free as usize).unwrap();
+    assert_eq!(classes::class_size(c), r.largest_free as usize, "a class size");
+    assert!(takes(classes::class_size(c)) <= free_run && takes(classes::class_size(c + 1)) > free_run, "{r:?}");
+    assert!(r.takes >= r.requested + HEADER as u64 && r.held >= r.in_use + HEADER as u64, "{r:?}");
     let (events, _) = ws.recorder().events().unwrap();
     let last = events.last().unwrap();
     assert_eq!((last.action, last.size, last.extra), (Action::Oom, 3 * MIB, MIB as u64));

@@ -83,6 +83,8 @@ fn exception<'py>(py: Python<'py>, e: &Error) -> PyResult<Bound<'py, PyAny>> {
                 Arg::Int(r.cached),
                 Arg::Int(r.largest_free),
                 Arg::Int(r.room),
+                Arg::Int(r.takes),
+                Arg::Int(r.held),
                 Arg::Text(r.reason),
             ],
         ),
