@@ -201,15 +201,46 @@ fn region(w: &Workspace) -> (usize, usize) {
     (r.address, r.size)
 }
 
-/// Two tasks in turn: the first opens a cycle, makes `count` temporaries of `size` bytes
-/// (written whole), frees them and closes its cycle while the second's cycle stays open.
-fn one_step_beside_another(w: &mut Workspace, count: usize, size: usize) {
-    w.open_cycle().unwrap();
+/// `count` new blocks of `size` bytes, each written whole (resident).
+fn written(w: &mut Workspace, count: usize, size: usize) -> Vec<std::ptr::NonNull<u8>> {
     let blocks: Vec<_> = (0..count).map(|_| w.alloc(size).unwrap()).collect();
     for &b in &blocks {
         // SAFETY: a live block of `size` bytes.
         unsafe { b.as_ptr().write_bytes(5, size) };
     }
+    blocks
+}
+
+/// While it lives, the C heap keeps what is freed (no trim, no mappings of its own), as it does
+/// for blocks under its thresholds; its defaults come back as it drops.
+struct CHeapKeepsFreed;
+
+impl CHeapKeepsFreed {
+    fn new() -> Self {
+        // SAFETY: plain glibc calls without preconditions.
+        unsafe {
+            assert_eq!(libc::mallopt(libc::M_MMAP_THRESHOLD, 16 << 20), 1);
+            assert_eq!(libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30), 1);
+        }
+        CHeapKeepsFreed
+    }
+}
+
+impl Drop for CHeapKeepsFreed {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 128 << 10);
+        }
+    }
+}
+
+/// Two tasks in turn: the first opens a cycle, makes `count` temporaries of `size` bytes
+/// (written whole), frees them and closes its cycle while the second's cycle stays open.
+fn one_step_beside_another(w: &mut Workspace, count: usize, size: usize) {
+    w.open_cycle().unwrap();
+    let blocks = written(w, count, size);
     for b in blocks {
         // SAFETY: live, freed once.
         unsafe { w.free(b) };
@@ -245,22 +276,12 @@ fn a_region_with_room_to_grow_takes_huge_pages_only_where_it_serves_4_mib_or_mor
 #[test]
 fn blocks_the_arena_supersedes_give_their_pages_back_as_they_are_freed() {
     let _alone = alone();
-    // The C heap keeps what is freed (no trim, no mappings of its own), as it does for blocks
-    // under its thresholds; its defaults are set again at the end.
-    // SAFETY: plain glibc calls without preconditions.
-    unsafe {
-        assert_eq!(libc::mallopt(libc::M_MMAP_THRESHOLD, 16 << 20), 1);
-        assert_eq!(libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30), 1);
-    }
+    let kept = CHeapKeepsFreed::new();
     let mut w = Workspace::new("SUPERSEDED", WorkspaceConfiguration::adaptive()).unwrap();
     // Two tasks' first cycles, each holding temporaries, outside any arena yet.
     w.open_cycle().unwrap();
     w.open_cycle().unwrap();
-    let held: Vec<_> = (0..32).map(|_| w.alloc(256 << 10).unwrap()).collect();
-    for &b in &held {
-        // SAFETY: a live block of 256 KiB.
-        unsafe { b.as_ptr().write_bytes(7, 256 << 10) };
-    }
+    let held = written(&mut w, 32, 256 << 10);
     // One closes beside the other: the arena, sized now, serves these sizes from here on.
     w.close_cycle().unwrap();
     assert!(w.stats().capacity_bytes >= 8 * MIB as u64, "{:?}", w.stats());
@@ -271,11 +292,7 @@ fn blocks_the_arena_supersedes_give_their_pages_back_as_they_are_freed() {
     }
     let given = before as isize - resident_bytes() as isize;
     w.close_cycle().unwrap();
-    // SAFETY: as above.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 128 << 10);
-    }
+    drop(kept);
     assert_eq!(w.external_cached_bytes(), 0, "blocks the arena supersedes are not cached");
     assert!(given >= 6 * MIB as isize, "8 MiB of superseded blocks gave back {} MiB", given >> 20);
 }
@@ -286,19 +303,11 @@ fn a_first_cycles_cached_blocks_give_their_pages_back_as_the_arena_takes_over() 
     // The C heap keeps what is freed, as in the test above; and the process's return of the C
     // heap's free memory (at most once a second) has just run, as it may have for another
     // workspace a moment before: the arena's takeover cannot count on it.
-    // SAFETY: plain glibc calls without preconditions.
-    unsafe {
-        assert_eq!(libc::mallopt(libc::M_MMAP_THRESHOLD, 16 << 20), 1);
-        assert_eq!(libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30), 1);
-    }
+    let kept = CHeapKeepsFreed::new();
     AnonymousMemory.trim();
     let mut w = Workspace::new("TAKEOVER", WorkspaceConfiguration::adaptive()).unwrap();
     w.enter().unwrap();
-    let blocks: Vec<_> = (0..32).map(|_| w.alloc(256 << 10).unwrap()).collect();
-    for &b in &blocks {
-        // SAFETY: a live block of 256 KiB.
-        unsafe { b.as_ptr().write_bytes(9, 256 << 10) };
-    }
+    let blocks = written(&mut w, 32, 256 << 10);
     for b in blocks {
         // SAFETY: live, freed once: cached for the cycle's next requests of its class.
         unsafe { w.free(b) };
@@ -307,11 +316,7 @@ fn a_first_cycles_cached_blocks_give_their_pages_back_as_the_arena_takes_over() 
     let before = resident_bytes();
     w.exit().unwrap(); // the arena is mapped (pre-faulted as the next cycle opens)
     let given = before as isize - resident_bytes() as isize;
-    // SAFETY: as above.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 128 << 10);
-    }
+    drop(kept);
     assert!(w.stats().capacity_bytes >= 8 * MIB as u64 && w.external_cached_bytes() == 0, "{:?}", w.stats());
     assert!(given >= 6 * MIB as isize, "8 MiB of cached blocks gave back {} MiB", given >> 20);
 }
