@@ -39,7 +39,8 @@ class WorkspaceOutOfMemory(WorkspaceError, MemoryError):
     cycle), ``cached`` (bytes kept for reuse), ``largest_free`` (the largest request the arena's
     free memory could still serve), ``room`` (bytes the limit still grants), ``takes`` (bytes the
     request takes where it is placed: its size class, a header and any alignment filler),
-    ``held`` (bytes the live blocks take, counted alike) and ``reason``; for a
+    ``held`` (bytes the live blocks take, counted alike), ``live_end`` (where the arena's last
+    live block ends) and ``reason``; for a
     refusal of the system, ``system`` says what the system refused (``None`` for the workspace's
     own refusals). ``verdict`` says what caused a refusal of the workspace (the limit, the
     arena's fragmentation, the spill policy) and what to change; it is also the error's note.
@@ -56,6 +57,7 @@ class WorkspaceOutOfMemory(WorkspaceError, MemoryError):
     room: int | None = None
     takes: int | None = None
     held: int | None = None
+    live_end: int | None = None
     reason: str | None = None
     system: str | None = None
     verdict: str | None = None
@@ -113,8 +115,8 @@ def _refused(
     cached: int,
     largest_free: int,
     room: int,
-    takes: int,
     held: int,
+    live_end: int,
     reason: str,
 ) -> WorkspaceOutOfMemory:
     size = "more bytes than a size holds" if requested >= 2**64 - 1 else f"{requested} bytes"
@@ -124,7 +126,8 @@ def _refused(
     )
     e.workspace, e.requested, e.in_use, e.limit = workspace, requested, in_use, limit
     e.footprint, e.pinned, e.cached, e.reason = footprint, pinned, cached, reason
-    e.largest_free, e.room, e.takes, e.held = largest_free, room, takes, held
+    e.largest_free, e.room, e.held, e.live_end = largest_free, room, held, live_end
+    e.takes = _placed_size(requested)
     e.verdict = _verdict(e)
     e.add_note(e.verdict)
     if _refusal_hook is not None:
@@ -136,13 +139,24 @@ def _refused(
 _refusal_hook: Any = None
 
 
+def _placed_size(requested: int) -> int:
+    """What a request of ``requested`` bytes takes where the workspace places it."""
+    if requested >= 2**64 - 1:
+        return requested
+    # Imported here: this module is read while the extension initialises.
+    from . import _rustws
+
+    return int(_rustws.placed_size(requested))
+
+
 def _verdict(e: WorkspaceOutOfMemory) -> str:
     """What caused a refusal of the workspace, and what to change."""
     req, live, limit = e.requested or 0, e.in_use or 0, e.limit or 0
     pinned, largest, room = e.pinned or 0, e.largest_free or 0, e.room or 0
     # What the advice must cover: the request and the live blocks as the workspace places them
     # (size classes, headers, fillers), not as they were asked for.
-    takes, held = max(e.takes or 0, req), max(e.held or 0, live)
+    takes = req if e.takes is None else e.takes
+    held = live if e.held is None else e.held
     facts = (
         f"request {_fmt(req)} (taking {_fmt(takes)}), limit {_fmt(limit)}, live {_fmt(live)} "
         f"(pinned {_fmt(pinned)}), cached {_fmt(e.cached or 0)}, largest request the arena's free "
@@ -156,8 +170,13 @@ def _verdict(e: WorkspaceOutOfMemory) -> str:
         change = "resize arrays through the workspace that made them"
     elif e.reason and "FAIL" in e.reason:
         cause = "the spill policy FAIL: the arena cannot hold the request and spills are refused"
+        # The arena's blocks as they lie, and the request past the last of them: where frees
+        # left runs too small before it, the live bytes and the request are not enough.
+        end = e.live_end or 0
+        size = _fmt(max(held, end) + takes, up=True)
+        split = ", as its live blocks lie (frees left runs too small before the last)" if end > held else ""
         change = (
-            f"size the arena for the cycle (initial_size of at least {_fmt(held + takes, up=True)}; "
+            f"size the arena for the cycle (initial_size of at least {size}{split}; "
             "rustws.memory.recommend() computes one from a recording) or allow spills "
             "(policy_spill=EXTERNAL or REALLOCATE)"
         )

@@ -41,6 +41,7 @@ __all__ = [
     "handler_name",
     "memory_state",
     "parse_size",
+    "placed_size",
     "recommend",
     "record_history",
     "recording_stacks",
@@ -62,6 +63,7 @@ STATS_FIELDS: tuple[str, ...]
 CONFIG_FIELDS: tuple[str, ...]
 
 def parse_size(text: str) -> int: ...
+def placed_size(size: int) -> int: ...
 
 _Outcome = tuple[int, int, int, int, int, int]
 

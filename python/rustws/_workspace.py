@@ -365,7 +365,9 @@ class Workspace(_rustws.WorkspaceCore):
         contiguous = proto.flags.c_contiguous or proto.flags.f_contiguous
         if (subok and type(proto) is not np.ndarray) or (o == "K" and not contiguous) or o not in "KACF":
             like = np.zeros_like if zeroed else np.empty_like
-            return self._numpy_here(like, proto, dt, order, subok, shape)
+            # The dtype as given: NumPy 1's `empty_like` of a subclass releases an explicit dtype
+            # once too often where the allocation is refused.
+            return self._numpy_here(like, proto, dtype, order, subok, shape)
         shp = proto.shape if shape is None else shape
         if o in ("K", "A"):
             # As NumPy: "A" and "K" follow a Fortran-only prototype, "K" only at the same ndim.

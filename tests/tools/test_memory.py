@@ -302,20 +302,21 @@ def test_the_verdict_tells_the_limit_from_fragmentation_and_the_spill_policy():
     from rustws._errors import _refused, _system_refused
 
     M = MiB
-    # workspace, requested, in use, limit, footprint, pinned, cached, largest free, room, takes, held
-    limit = _refused("W", 3 * M, 2 * M, 4 * M, 4 * M, M, 0, 0, 0, 3 * M + 4096, 2 * M + 128, "max_size")
+    # workspace, requested, in use, limit, footprint, pinned, cached, largest free, room, held,
+    # live end
+    limit = _refused("W", 3 * M, 2 * M, 4 * M, 4 * M, M, 0, 0, 0, 2 * M + 128, 0, "max_size")
     limit = limit.verdict
     assert (
         "the limit" in limit and "raise max_size to at least 5.1 MiB" in limit and "1.0 MiB pinned" in limit
     )
-    frag = _refused("W", 2 * M, M, 8 * M, 8 * M, 0, 0, M, M // 2, 2 * M + 4096, M + 64, "max_size reached")
+    frag = _refused("W", 2 * M, M, 8 * M, 8 * M, 0, 0, M, M // 2, M + 64, 0, "max_size")
     frag = frag.verdict
     assert "fragmentation" in frag and "largest is 1.0 MiB" in frag and "raise max_size by 1.6 MiB" in frag
     refused = "map of 3145728 bytes failed: Cannot allocate memory (os error 12)"
     system = _system_refused("W", 3 * M, M, 0, refused)
     assert system.verdict.startswith("rustws verdict: the system") and "set max_size" in system.verdict
     assert system.__notes__ == [system.verdict]
-    fail = _refused("W", M, 0, M, M, 0, 0, 0, 0, M + 4096, 0, "the spill policy is FAIL")
+    fail = _refused("W", M, 0, M, M, 0, 0, 0, 0, 0, 0, "the spill policy is FAIL")
     fail = fail.verdict
     assert "spill policy FAIL" in fail and "policy_spill" in fail
 

@@ -3,7 +3,9 @@ cause, and a refused captured allocation says why where it fails."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import sys
 
 import numpy as np
 import pytest
@@ -138,4 +140,65 @@ def test_an_arena_or_limit_of_the_size_the_verdict_names_serves_the_request(fiel
         a = ws.empty(nbytes, np.uint8)
     a[:] = 1
     assert int(a.sum()) == nbytes
+    ws.destroy()
+
+
+def test_the_verdict_counts_live_huge_blocks_whole_and_names_a_split_arena():
+    # A live huge block takes its whole mapping (its class, a header, whole pages): a limit of
+    # the size the verdict names holds it and the refused request.
+    MiB = 1 << 20
+    cfg = rustws.WorkspaceConfiguration(max_size=150 * MiB, policy_spill="EXTERNAL")
+    ws = rustws.workspace("HUGE LIVE", cfg)
+    with ws:
+        first = ws.empty(100 * MiB, np.uint8)
+        with pytest.raises(WorkspaceOutOfMemory) as info:
+            ws.empty(100 * MiB, np.uint8)
+        del first
+    ws.destroy()
+    e = info.value
+    assert e.held > 100 * MiB and e.takes > 100 * MiB, e
+    ws = rustws.workspace("HUGE AS ADVISED", rustws.WorkspaceConfiguration(max_size=e.held + e.takes))
+    with ws:
+        both = [ws.empty(100 * MiB, np.uint8) for _ in range(2)]
+    assert all(rustws.owner(b) is ws for b in both)
+    del both
+    ws.destroy()
+
+    # Under FAIL, with a run freed before a live block: an arena of the size the verdict names
+    # serves the same steps.
+    def split(initial_size):
+        cfg = rustws.WorkspaceConfiguration(
+            initial_size=initial_size, policy_allocation="STRICT", policy_learning="NONE", policy_spill="FAIL"
+        )
+        ws = rustws.workspace("SPLIT", cfg)
+        try:
+            with ws:
+                big, small = ws.empty(MiB, np.uint8), ws.empty(64 << 10, np.uint8)
+                del big
+                ws.empty(1_500_000, np.uint8)
+                del small
+        finally:
+            ws.destroy()
+
+    with pytest.raises(WorkspaceOutOfMemory) as info:
+        split(1_200_000)
+    e = info.value
+    assert "frees left runs too small" in e.verdict and e.live_end > e.held, e.verdict
+    split(max(e.held, e.live_end) + e.takes)
+
+
+def test_a_refused_like_allocation_of_a_subclass_leaves_its_dtype_alive():
+    # NumPy 1's `empty_like` of a subclass released an explicit dtype once too often when its
+    # allocation was refused (a crash once the dtype's count ran out): the prototype's dtype is
+    # left to NumPy.
+    cfg = rustws.WorkspaceConfiguration(initial_size="64KiB", policy_learning="NONE", policy_spill="FAIL")
+    ws = rustws.workspace("SMALL LIKE", cfg)
+    dt = np.dtype([("a", "f8"), ("b", "i4")])
+    proto = np.ma.MaskedArray(np.zeros(1 << 17, dtype=dt))
+    before = sys.getrefcount(dt)
+    for _ in range(20):
+        with ws, pytest.raises(MemoryError):
+            ws.empty_like(proto)
+    gc.collect()
+    assert sys.getrefcount(dt) == before
     ws.destroy()

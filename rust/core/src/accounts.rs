@@ -124,10 +124,10 @@ const LARGE_SLOT: usize = PAGE_ALIGNED_SIZE + HEADER;
 /// The largest filler an arena puts in front of such a block.
 const MOST_PAD: usize = LARGE_DATA_ALIGN - HEADER;
 
-/// Bytes a request of `size` takes where it is placed: its class's slot (the class rounding and
-/// a header) and, for the classes whose data starts on a page, the most filler that asks for;
-/// past the classes, a mapping of whole pages with a header.
-pub(crate) fn takes(size: usize) -> usize {
+/// Bytes a request of `size` takes where a workspace places it: its class's slot (the class
+/// rounding and a header) and, for the classes whose data starts on a page, the most filler that
+/// asks for; past the classes, a mapping of whole pages with a header.
+pub fn placed_size(size: usize) -> usize {
     match class_of(size.max(1)) {
         Some(c) if class_size(c) + HEADER >= LARGE_SLOT => class_size(c) + HEADER + MOST_PAD,
         Some(c) => class_size(c) + HEADER,
@@ -136,11 +136,11 @@ pub(crate) fn takes(size: usize) -> usize {
 }
 
 /// The largest request that a free run of `run` bytes serves wherever it lies: the largest
-/// class size that [`takes`] at most `run` (0 where none fits).
+/// class size that [`placed_size`] gives at most `run` (0 where none fits).
 pub(crate) fn largest_served(run: usize) -> usize {
     let mut c = floor_class(run.saturating_sub(HEADER));
     while let Some(k) = c {
-        if takes(class_size(k)) <= run {
+        if placed_size(class_size(k)) <= run {
             return class_size(k);
         }
         c = k.checked_sub(1);
@@ -245,7 +245,7 @@ impl Accounts {
         self.live_slot - self.pinned_slot + (self.large_live - self.large_pinned) * MOST_PAD
     }
 
-    /// What all live blocks take in an arena, fillers included (as [`takes`] counts a request).
+    /// What all live blocks take in an arena, fillers included (as [`placed_size`] counts a request).
     pub fn held(&self) -> usize {
         self.live_slot + self.large_live * MOST_PAD
     }

@@ -406,7 +406,9 @@ impl ArenaRegion {
     /// Huge pages for what the region serves once that reaches the size the backend gives them
     /// to ([`HUGE_PAGE_THRESHOLD`], as NumPy does for its arrays), and none in its room to grow:
     /// a huge page straddling the end of what it serves would make up to 2 MiB resident that no
-    /// block uses, and a region with room is advised as one without would be.
+    /// block uses. (Where the system gives huge pages without advice, a region with room that
+    /// serves less than the threshold takes none, as one without room would under the default
+    /// `madvise` setting.)
     fn advise_huge_pages(&self) {
         if self.mapped < HUGE_PAGE_THRESHOLD {
             // The mapping was given no advice, and nothing it serves calls for any.
@@ -1156,6 +1158,13 @@ impl ArenaRegion {
     /// The largest run of memory between live blocks (headers included), the hole and the
     /// never-carved tail among them: the largest request the region could still serve is a
     /// header smaller. O(blocks).
+    /// The end of the last live block (0 with none live). O(blocks): for refusals.
+    pub fn live_end(&self) -> usize {
+        let mut end = 0;
+        self.each_live(|pos, slot, _, _| end = pos + slot);
+        end
+    }
+
     pub fn largest_free(&self) -> usize {
         let (mut end, mut largest) = (0, 0);
         self.each_live(|pos, slot, _, _| {

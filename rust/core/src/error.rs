@@ -99,11 +99,12 @@ pub struct Refusal {
     /// largest run between live blocks lies (a size class whose slot, header and filler fit the
     /// run; 0 without an arena).
     pub largest_free: u64,
-    /// Bytes the request takes where it is placed: its size class's slot, header and filler
-    /// included ([`Refusal::requested`] rounded as the workspace rounds it).
-    pub takes: u64,
-    /// Bytes the live blocks take, counted as [`Refusal::takes`] counts the request's.
+    /// Bytes the live blocks take where they lie, as [`crate::placed_size`] counts a request's (a
+    /// huge block's whole mapping).
     pub held: u64,
+    /// Where the arena's last live block ends (0 without one): a request no free run served
+    /// fits an arena of the same blocks past that point.
+    pub live_end: u64,
     /// Bytes the limit still granted for new mappings and blocks.
     pub room: u64,
     pub reason: &'static str,
@@ -208,8 +209,8 @@ mod tests {
             pinned: 0,
             cached: 0,
             largest_free: 0,
-            takes: 128,
             held: 64,
+            live_end: 0,
             room: 0,
             reason: "max_size reached",
         });

@@ -431,11 +431,15 @@ impl OwnBlocks {
         }
     }
 
-    /// Gives every cached block back, with its pages ([`OwnBlocks::release_superseded`]): the
-    /// arena now serves their classes.
-    pub fn release_superseded_cache(&mut self) {
+    /// Gives every cached block back: with its pages ([`OwnBlocks::release_superseded`]) where
+    /// the arena now serves its class, as it is for the classes kept `apart` from the arena.
+    pub fn release_superseded_cache(&mut self, apart: &ClassSet) {
         loop {
             let Some(class) = self.cache.nonempty.iter_desc().next() else { break };
+            if apart.contains(class) {
+                self.release_one(class);
+                continue;
+            }
             let (p, slot) = self.pop(class);
             // SAFETY: taken off the cache just above: nothing else refers to it; cached blocks
             // are external ones.

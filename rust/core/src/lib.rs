@@ -38,7 +38,7 @@ pub mod reserve;
 mod sanitizer;
 pub mod workspace;
 
-pub use accounts::{CycleReport, WorkspaceStats};
+pub use accounts::{placed_size, CycleReport, WorkspaceStats};
 pub use arena::{slot_for, BlockKind, HEADER};
 pub use backend::{AnonymousMemory, Backend, FileMappedMemory, HeapMemory, LimitAdaptor, OpaqueMemory, BLOCK_ALIGN};
 pub use config::{

@@ -44,7 +44,7 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::accounts::{largest_served, takes, Accounts, CycleReport, WorkspaceStats};
+use crate::accounts::{largest_served, Accounts, CycleReport, WorkspaceStats};
 use crate::arena::ZERO_SPARING_MIN;
 use crate::arena::{is_live_arena, live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
 use crate::backend::{available_memory, round_to_page, AnonymousMemory, Backend, FileMappedMemory, LimitAdaptor};
@@ -520,8 +520,9 @@ impl Workspace {
             pinned: self.accounts.pinned,
             cached: (self.own.cached_bytes() + self.huge.cached().1) as u64,
             largest_free: self.regions.current().map_or(0, |r| largest_served(r.largest_free())) as u64,
-            takes: if requested == u64::MAX { u64::MAX } else { takes(requested as usize) as u64 },
-            held: self.accounts.held() as u64,
+            // Huge mappings count their whole length, as the limit counts it.
+            held: self.accounts.held().saturating_add(self.huge.live_len) as u64,
+            live_end: self.regions.current().map_or(0, ArenaRegion::live_end) as u64,
             room: room as u64,
             reason,
         })
@@ -862,7 +863,7 @@ impl Workspace {
             // An arena now serves what blocks of their own served this cycle: the cached ones
             // (their pages too, which the C heap would keep), and what the block allocator keeps
             // of the others, would only add to the arena.
-            self.own.release_superseded_cache();
+            self.own.release_superseded_cache(&self.apart.classes);
             if self.own.peaks.made >= TRIM_AFTER {
                 self.limit.upstream().trim();
             }

@@ -144,6 +144,13 @@ pub(crate) fn parse_size(text: &str) -> PyResult<u64> {
     core_parse_size(text).map_err(PyValueError::new_err)
 }
 
+/// Bytes a request of `size` bytes takes where a workspace places it (its size class, a header
+/// and any alignment filler).
+#[pyfunction]
+pub(crate) fn placed_size(size: u64) -> u64 {
+    usize::try_from(size).map_or(u64::MAX, |s| rustws_core::placed_size(s) as u64)
+}
+
 /// Validates a configuration dict; raises `ValueError` naming the field.
 #[pyfunction]
 pub(crate) fn validate_config(config: &Bound<'_, PyDict>) -> PyResult<()> {

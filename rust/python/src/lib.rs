@@ -42,7 +42,7 @@ use rustws_core::{
 };
 
 use arrays::{direct_arrays_supported, ArrayFields, NPY_ARRAY_OWNDATA};
-use config::{parse_size, validate_config};
+use config::{parse_size, placed_size, validate_config};
 use devarray::DeviceArray;
 use device::DeviceBuffer;
 use dispose::DisposeStatistics;
@@ -227,6 +227,7 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory::replay, m)?)?;
     m.add_function(wrap_pyfunction!(memory::recommend, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(placed_size, m)?)?;
     m.add_function(wrap_pyfunction!(validate_config, m)?)?;
     m.add_function(wrap_pyfunction!(env_debug_mode, m)?)?;
     m.add_function(wrap_pyfunction!(set_handler, m)?)?;
