@@ -523,6 +523,14 @@ def _as_ndarray(a: Any) -> NDArray[Any]:
     return np.asarray(a)
 
 
+# A refusal whose own report could not be made: memory ran out again while it was written (the
+# error is then the interpreter's bare `MemoryError`).
+_REPORT_LOST = (
+    "a request was refused, and memory ran out again while its report was made: its verdict and "
+    "memory snapshot may be missing"
+)
+
+
 def _report_refusals(refusals: list[BaseException]) -> None:
     """Tells why captured requests were refused. NumPy turns a refusal into its plain
     ``MemoryError`` ("Unable to allocate ..."); when that error is what leaves the cycle, the
@@ -535,7 +543,8 @@ def _report_refusals(refusals: list[BaseException]) -> None:
         notes = getattr(exc, "__notes__", ())
         for refusal in refusals:
             # The refusal's own notes: its verdict, and where its memory snapshot went.
-            for note in (f"rustws: {refusal}", *getattr(refusal, "__notes__", ())):
+            text = str(refusal) or _REPORT_LOST
+            for note in (f"rustws: {text}", *getattr(refusal, "__notes__", ())):
                 if note and note not in notes:
                     exc.add_note(note)
     if refusals and _log.enabled(_log.WARNING):

@@ -202,3 +202,17 @@ def test_a_refused_like_allocation_of_a_subclass_leaves_its_dtype_alive():
     gc.collect()
     assert sys.getrefcount(dt) == before
     ws.destroy()
+
+
+def test_a_refusal_whose_report_was_lost_says_so():
+    # Where memory ran out again while a captured refusal's report was made, the error that
+    # stands for it is the interpreter's bare MemoryError: the note says what is known.
+    from rustws._workspace import _report_refusals
+
+    try:
+        raise MemoryError("Unable to allocate 8 MiB")
+    except MemoryError as e:
+        _report_refusals([MemoryError()])
+        notes = e.__notes__
+    assert len(notes) == 1 and notes[0].startswith("rustws: a request was refused"), notes
+    assert "memory snapshot may be missing" in notes[0]
