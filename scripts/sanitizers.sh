@@ -67,15 +67,12 @@ else
     # allocator_may_return_null: tests check that requests no address space holds are refused, as
     # the system allocator refuses them (ASan would abort instead). The quarantine stays on: freed
     # C-heap blocks are not handed out again at once, so a use after free is caught.
-    echo "not under ASan: the residency tests, which measure the process's resident size (ASan's"
-    echo "shadow memory and allocator caches are part of it); they run in the plain test run"
+    echo "not under ASan: the residency tests (rust/core/tests/residency.rs), which measure the"
+    echo "process's resident size (ASan's shadow memory and allocator caches are part of it, and its"
+    echo "allocator takes no mallopt); they run in the plain test run"
     ASAN_OPTIONS="allocator_may_return_null=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}" \
         RUSTC_BOOTSTRAP=1 RUSTFLAGS="-Zsanitizer=address --cfg rustws_asan" \
-        cargo test -p rustws-core --lib --tests --target "$host" --target-dir target/asan --quiet -- \
-        --skip a_retired_region_keeps_only_pages_under_live_blocks \
-        --skip a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena \
-        --skip a_destroyed_workspace_returns_pages_as_its_blocks_die \
-        --skip a_destroyed_file_backed_workspace_keeps_only_pages_under_live_blocks
+        cargo test -p rustws-core --lib --tests --target "$host" --target-dir target/asan --quiet
 fi
 rm -rf "$probe"
 
@@ -98,10 +95,7 @@ elif ! rustup component add rust-src --toolchain nightly >/dev/null 2>&1 &&
 elif ! why=$(tsan --no-run 2>&1); then
     skip "the core does not build under -Zsanitizer=thread here: $(echo "$why" | tail -3)"
 else
-    echo "not under TSan: the residency tests (its shadow memory is part of the resident size)"
-    tsan -- \
-        --skip a_retired_region_keeps_only_pages_under_live_blocks \
-        --skip a_huge_zeroed_request_is_not_written_and_does_not_grow_the_arena \
-        --skip a_destroyed_workspace_returns_pages_as_its_blocks_die \
-        --skip a_destroyed_file_backed_workspace_keeps_only_pages_under_live_blocks
+    echo "not under TSan: the residency tests (its shadow memory is part of the resident size, and"
+    echo "its allocator takes no mallopt)"
+    tsan
 fi

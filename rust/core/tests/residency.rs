@@ -1,5 +1,8 @@
 //! Residency: what the arena keeps resident. In a binary of its own, so that no other test's
-//! memory moves the process's resident size while it is measured.
+//! memory moves the process's resident size while it is measured. Not built for the sanitizers
+//! (`scripts/sanitizers.sh`): their shadow memory and allocators' caches are part of the resident
+//! size, and their allocators take no `mallopt`.
+#![cfg(not(any(rustws_asan, rustws_tsan)))]
 
 mod common;
 
