@@ -124,13 +124,21 @@ const LARGE_SLOT: usize = PAGE_ALIGNED_SIZE + HEADER;
 /// The largest filler an arena puts in front of such a block.
 const MOST_PAD: usize = LARGE_DATA_ALIGN - HEADER;
 
+/// A slot of `slot` bytes with the most filler it may take in an arena: a page-aligned block's.
+fn with_filler(slot: usize) -> usize {
+    if slot >= LARGE_SLOT {
+        slot + MOST_PAD
+    } else {
+        slot
+    }
+}
+
 /// Bytes a request of `size` takes where a workspace places it: its class's slot (the class
 /// rounding and a header) and, for the classes whose data starts on a page, the most filler that
 /// asks for; past the classes, a mapping of whole pages with a header.
 pub fn placed_size(size: usize) -> usize {
     match class_of(size.max(1)) {
-        Some(c) if class_size(c) + HEADER >= LARGE_SLOT => class_size(c) + HEADER + MOST_PAD,
-        Some(c) => class_size(c) + HEADER,
+        Some(c) => with_filler(class_size(c) + HEADER),
         None => checked_round_to_page(size.saturating_add(HEADER)).unwrap_or(usize::MAX),
     }
 }
@@ -370,7 +378,7 @@ impl Accounts {
     #[cold]
     fn forget_aged(&mut self, slot: usize, stamp: u64, closes: u64) {
         // As `own_live` counts it: with the filler a page-aligned block may need.
-        let slot = if slot >= LARGE_SLOT { slot + MOST_PAD } else { slot };
+        let slot = with_filler(slot);
         let a = &mut self.ages;
         if stamp < a.aged_through {
             a.aged = a.aged.saturating_sub(slot);

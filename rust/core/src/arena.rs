@@ -502,9 +502,8 @@ impl ArenaRegion {
     /// its bytes are written or given back.
     #[cold]
     pub unsafe fn zero_sparing(&self, p: NonNull<u8>, len: usize) -> bool {
-        let page = crate::backend::page_bytes();
         let start = p.as_ptr() as usize;
-        let (a, b) = (start.next_multiple_of(page), (start + len) / page * page);
+        let (a, b) = crate::backend::whole_pages(start, len);
         if a >= b || !self.backend.discard_zeroes() || self.meta != self.data {
             return false;
         }
@@ -1156,22 +1155,15 @@ impl ArenaRegion {
     }
 
     /// The largest run of memory between live blocks (headers included), the hole and the
-    /// never-carved tail among them: the largest request the region could still serve is a
-    /// header smaller. O(blocks).
-    /// The end of the last live block (0 with none live). O(blocks): for refusals.
-    pub fn live_end(&self) -> usize {
-        let mut end = 0;
-        self.each_live(|pos, slot, _, _| end = pos + slot);
-        end
-    }
-
-    pub fn largest_free(&self) -> usize {
+    /// never-carved tail among them, and the end of the last live block (0 with none live): what
+    /// a refusal says of the region. O(blocks).
+    pub fn free_runs(&self) -> (usize, usize) {
         let (mut end, mut largest) = (0, 0);
         self.each_live(|pos, slot, _, _| {
             largest = largest.max(pos - end);
             end = pos + slot;
         });
-        largest.max(self.capacity - end)
+        (largest.max(self.capacity - end), end)
     }
 
     /// Walks the whole chain and checks the region's invariants; panics on a violation. Returns

@@ -254,6 +254,26 @@ pub trait Backend: Send + Sync + fmt::Debug {
 }
 
 /// The page size, asked of the system once (cycle ends round to it).
+/// The whole pages inside `[start, start + len)`: from the first page boundary at or after
+/// `start` to the last at or before its end (none where the first is not below the last).
+pub(crate) fn whole_pages(start: usize, len: usize) -> (usize, usize) {
+    let page = page_size();
+    (start.next_multiple_of(page), (start + len) / page * page)
+}
+
+/// `madvise(advice)` over the whole pages inside `[start, start + len)`, if any; a refusal is
+/// ignored (the advice is only advice, or the caller gives the bytes up either way).
+///
+/// # Safety
+/// The range lies in one mapping or block of the caller's, which `advice` may act on.
+unsafe fn advise_whole_pages(start: usize, len: usize, advice: libc::c_int) {
+    let (a, b) = whole_pages(start, len);
+    if a < b {
+        // SAFETY: as the caller guarantees; whole pages inside their range.
+        unsafe { libc::madvise(a as *mut libc::c_void, b - a, advice) };
+    }
+}
+
 fn page_size() -> usize {
     static PAGE: AtomicUsize = AtomicUsize::new(0);
     let known = PAGE.load(Ordering::Relaxed);
@@ -516,27 +536,18 @@ impl Backend for AnonymousMemory {
     /// # Safety
     /// As for [`Backend::give_back_pages`].
     unsafe fn give_back_pages(&self, ptr: NonNull<u8>, len: usize) {
-        let page = page_size();
-        let (a, b) = ((ptr.as_ptr() as usize).next_multiple_of(page), (ptr.as_ptr() as usize + len) / page * page);
-        if a < b {
-            // SAFETY: whole pages inside a block of ours from the C heap (private anonymous
-            // memory, from its heap or a mapping of its own), whose bytes nobody reads again:
-            // they read back as zeros. The C heap's own records lie outside the block (its
-            // chunk header in front, the next chunk's behind) and are written only by `free`,
-            // after this.
-            unsafe { libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_DONTNEED) };
-        }
+        // SAFETY: whole pages inside a block of ours from the C heap (private anonymous memory,
+        // from its heap or a mapping of its own), whose bytes nobody reads again: they read back
+        // as zeros. The C heap's own records lie outside the block (its chunk header in front,
+        // the next chunk's behind) and are written only by `free`, after this.
+        unsafe { advise_whole_pages(ptr.as_ptr() as usize, len, libc::MADV_DONTNEED) };
     }
 
     fn huge_pages(&self, ptr: NonNull<u8>, len: usize, on: bool) {
-        let page = page_size();
-        let (a, b) = ((ptr.as_ptr() as usize).next_multiple_of(page), (ptr.as_ptr() as usize + len) / page * page);
-        if a < b {
-            let advice = if on { libc::MADV_HUGEPAGE } else { libc::MADV_NOHUGEPAGE };
-            // SAFETY: advice on whole pages of one of our own mappings (the caller's range lies in
-            // one); it changes no byte, and a refusal (no THP support) is harmless.
-            unsafe { libc::madvise(a as *mut libc::c_void, b - a, advice) };
-        }
+        let advice = if on { libc::MADV_HUGEPAGE } else { libc::MADV_NOHUGEPAGE };
+        // SAFETY: advice on whole pages of one of our own mappings (the caller's range lies in
+        // one); it changes no byte, and a refusal (no THP support) is harmless.
+        unsafe { advise_whole_pages(ptr.as_ptr() as usize, len, advice) };
     }
 
     fn discard_zeroes(&self) -> bool {
@@ -611,8 +622,7 @@ pub const ZERO_BY_DISCARD: usize = 32 << 20;
 /// `[ptr, ptr + len)` lies in one live block of [`c_heap_block`], owned by the caller.
 unsafe fn zero_heap_block(ptr: NonNull<u8>, len: usize) {
     let start = ptr.as_ptr() as usize;
-    let page = page_size();
-    let (a, b) = (start.next_multiple_of(page), (start + len) / page * page);
+    let (a, b) = whole_pages(start, len);
     // SAFETY: the advice covers whole pages inside the caller's block, whose bytes it gives up;
     // the C heap's own bookkeeping lies outside them (in front of the block). A refusal leaves
     // the pages as they were, and they are written instead.
@@ -677,12 +687,8 @@ fn c_heap_block(len: usize, zeroed: bool) -> Result<NonNull<u8>, BackendError> {
     };
     if len >= HUGE_PAGE_THRESHOLD {
         // As NumPy does for its large arrays: huge pages for the whole pages of the block.
-        let page = page_size();
-        let (a, b) = (at.next_multiple_of(page), (at + len) / page * page);
-        if a < b {
-            // SAFETY: advice on whole pages inside our own allocation; failure is harmless.
-            unsafe { libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_HUGEPAGE) };
-        }
+        // SAFETY: advice on our own allocation; it changes no byte, and failure is harmless.
+        unsafe { advise_whole_pages(at, len, libc::MADV_HUGEPAGE) };
     }
     Ok(block)
 }

@@ -503,6 +503,7 @@ impl Workspace {
 
     fn out_of_memory(&self, requested: u64, reason: &'static str) -> Error {
         let room = self.room();
+        let (largest, live_end) = self.regions.current().map_or((0, 0), ArenaRegion::free_runs);
         let recorder = self.limit.recorder();
         // The caller's stack was for a block that is not coming.
         recorder.set_context(0);
@@ -519,10 +520,10 @@ impl Workspace {
             footprint: self.footprint() as u64,
             pinned: self.accounts.pinned,
             cached: (self.own.cached_bytes() + self.huge.cached().1) as u64,
-            largest_free: self.regions.current().map_or(0, |r| largest_served(r.largest_free())) as u64,
+            largest_free: largest_served(largest) as u64,
             // Huge mappings count their whole length, as the limit counts it.
             held: self.accounts.held().saturating_add(self.huge.live_len) as u64,
-            live_end: self.regions.current().map_or(0, ArenaRegion::live_end) as u64,
+            live_end: live_end as u64,
             room: room as u64,
             reason,
         })
