@@ -176,8 +176,11 @@ impl HugeCache {
     }
 
     /// Releases the mappings unused since `generation - CACHE_CYCLES`.
+    #[inline]
     pub fn release_stale(&mut self, backend: &dyn Backend, generation: u64) {
-        self.release(backend, |m| m.used + CACHE_CYCLES <= generation);
+        if !self.cached.is_empty() {
+            self.release(backend, |m| m.used + CACHE_CYCLES <= generation);
+        }
     }
 
     /// Releases every cached mapping.
@@ -185,6 +188,7 @@ impl HugeCache {
         self.release(backend, |_| true);
     }
 
+    #[inline(never)]
     fn release(&mut self, backend: &dyn Backend, which: impl Fn(&CachedMapping) -> bool) {
         let mut i = 0;
         while i < self.cached.len() {

@@ -735,15 +735,21 @@ impl Workspace {
             self.accounts.open_beside(self.cycles.active.saturating_add(1), self.cycles.completed);
         }
         if self.recording {
-            // Every open, overlapping ones too: each has its close.
-            let r = self.limit.recorder();
-            if self.cycles.active == 0 {
-                r.set_cycle(self.cycles.completed);
-            }
-            r.record(Action::CycleOpen, 0, (self.accounts.used + self.accounts.external) as usize, 0, 0);
+            self.record_open();
         }
         self.cycles.active += 1;
         Ok(())
+    }
+
+    /// Records an open, overlapping ones too: each has its close.
+    #[cold]
+    #[inline(never)]
+    fn record_open(&self) {
+        let r = self.limit.recorder();
+        if self.cycles.active == 0 {
+            r.set_cycle(self.cycles.completed);
+        }
+        r.record(Action::CycleOpen, 0, (self.accounts.used + self.accounts.external) as usize, 0, 0);
     }
 
     /// Counts the next cycle report from here: when a cycle opens with none open, or when one
@@ -831,12 +837,58 @@ impl Workspace {
         self.accounts.count_close(self.cycles.completed, self.cycles.active == 0);
         self.cycles.replaced = self.accounts.unpinned_slot;
         let current = self.regions.current_capacity();
-        let region_before = self.regions.current().map(ArenaRegion::id);
         // Put apart before the arena is sized, at the last close: it sees which blocks outlived
         // cycles.
         let apart = self.cycles.active == 0 && self.route.apart && self.replace_for_apart();
-        let mut sizing =
-            self.learner.end_cycle(&self.config, self.cycles.completed - 1, facts, current, self.route.arena);
+        let sizing = self.learner.end_cycle(&self.config, self.cycles.completed - 1, facts, current, self.route.arena);
+        // Most closes keep the arena as it is: what sizes it lies out of their way.
+        self.cycles.remapped = (apart || !matches!(sizing, Sizing::Keep)) && self.size_at_close(sizing, apart, current);
+        self.huge.end_pass();
+        self.huge.release_stale(&*self.limit, self.cycles.completed);
+        self.settle_external_cache();
+        self.cycles.spilled = 0;
+        let (allocations, spills, arena_before) = self.cycles.opened;
+        let mut report = CycleReport {
+            completed: true,
+            cycle: self.cycles.completed - 1,
+            allocations: self.accounts.allocations - allocations,
+            spills: self.accounts.spills - spills,
+            peak_bytes: self.accounts.cycle_peak,
+            arena_before,
+            arena_after: self.regions.capacity() as u64,
+            ..CycleReport::default()
+        };
+        if self.cycles.active > 0 {
+            self.close_beside();
+        } else {
+            if self.route.lists {
+                if let Some(r) = self.regions.current_mut() {
+                    r.rewind();
+                }
+            }
+            self.cycles.epoch += 1;
+            (report.escaped_blocks, report.escaped_bytes) = self.accounts.close_cycle(live_blocks);
+            self.cycles.kept_here = self.regions.current().map_or((0, 0), |r| (r.id(), r.live_blocks()));
+        }
+        report.pinned_bytes = self.accounts.pinned;
+        self.cycles.last = report;
+        #[cfg(debug_assertions)]
+        {
+            self.cycles.closed_with = (self.accounts.allocations, live_blocks);
+        }
+        if self.recording {
+            self.record_close(&report);
+        }
+        Ok(report)
+    }
+
+    /// Sizes the arena at a cycle end as the learner (`sizing`) and the classes put apart now
+    /// (`apart`) ask, with the current region of `current` bytes. Returns whether the arena was
+    /// remapped: a new region, or the current one grown where it lies.
+    #[cold]
+    #[inline(never)]
+    fn size_at_close(&mut self, mut sizing: Sizing, apart: bool, current: usize) -> bool {
+        let region_before = self.regions.current().map(ArenaRegion::id);
         if apart && matches!(sizing, Sizing::Keep) {
             // The kept blocks of the classes now apart still cut the region's free runs: a fresh
             // region of the same size replaces it, and the old one keeps only the pages under them.
@@ -857,9 +909,9 @@ impl Workspace {
         let _ = self.apply(sizing, apart);
         // A new region, or the current one grown where it lies: the arena now serves what
         // blocks of their own served.
-        self.cycles.remapped =
+        let remapped =
             self.regions.current().map(ArenaRegion::id) != region_before || self.regions.current_capacity() > current;
-        if self.cycles.remapped {
+        if remapped {
             self.cycles.remapped_at = self.cycles.completed;
             // An arena now serves what blocks of their own served this cycle: the cached ones
             // (their pages too, which the C heap would keep), and what the block allocator keeps
@@ -869,52 +921,28 @@ impl Workspace {
                 self.limit.upstream().trim();
             }
         }
-        self.huge.end_pass();
-        self.huge.release_stale(&*self.limit, self.cycles.completed);
-        self.settle_external_cache();
-        self.cycles.spilled = 0;
-        let (allocations, spills, arena_before) = self.cycles.opened;
-        let mut report = CycleReport {
-            completed: true,
-            cycle: self.cycles.completed - 1,
-            allocations: self.accounts.allocations - allocations,
-            spills: self.accounts.spills - spills,
-            peak_bytes: self.accounts.cycle_peak,
-            arena_before,
-            arena_after: self.regions.capacity() as u64,
-            ..CycleReport::default()
-        };
-        if self.cycles.active > 0 {
-            // Other cycles are still open: nothing rewinds and nothing is pinned yet; the next
-            // close learns (and reports) from what happens from here on, with what the region
-            // holds now as held from earlier (a region that never rewinds fills with what
-            // overlapping cycles keep: spills past it are no reason to grow it).
-            self.accounts.open_cycle();
-            self.cycles.kept_in_arena = self.regions.current().is_some_and(|r| r.live_blocks() > 0);
-            self.own.peaks.open_cycle(self.accounts.external_slot);
-            self.mark_cycle_start();
-        } else {
-            if self.route.lists {
-                if let Some(r) = self.regions.current_mut() {
-                    r.rewind();
-                }
-            }
-            self.cycles.epoch += 1;
-            (report.escaped_blocks, report.escaped_bytes) = self.accounts.close_cycle(live_blocks);
-            self.cycles.kept_here = self.regions.current().map_or((0, 0), |r| (r.id(), r.live_blocks()));
-        }
-        report.pinned_bytes = self.accounts.pinned;
-        self.cycles.last = report;
-        #[cfg(debug_assertions)]
-        {
-            self.cycles.closed_with = (self.accounts.allocations, live_blocks);
-        }
-        if self.recording {
-            let r = self.limit.recorder();
-            r.record(Action::CycleClose, 0, report.peak_bytes as usize, 0, report.spills);
-            r.set_cycle(self.cycles.completed);
-        }
-        Ok(report)
+        remapped
+    }
+
+    /// A cycle closed while others are still open: nothing rewinds and nothing is pinned yet;
+    /// the next close learns (and reports) from what happens from here on, with what the region
+    /// holds now as held from earlier (a region that never rewinds fills with what overlapping
+    /// cycles keep: spills past it are no reason to grow it).
+    #[cold]
+    #[inline(never)]
+    fn close_beside(&mut self) {
+        self.accounts.open_cycle();
+        self.cycles.kept_in_arena = self.regions.current().is_some_and(|r| r.live_blocks() > 0);
+        self.own.peaks.open_cycle(self.accounts.external_slot);
+        self.mark_cycle_start();
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn record_close(&self, report: &CycleReport) {
+        let r = self.limit.recorder();
+        r.record(Action::CycleClose, 0, report.peak_bytes as usize, 0, report.spills);
+        r.set_cycle(self.cycles.completed);
     }
 
     /// Puts apart the classes of the blocks in the current region that an earlier cycle end left
@@ -923,11 +951,15 @@ impl Workspace {
     /// while they are the ones a look found nothing new among.
     #[inline]
     fn keep_apart(&mut self) -> bool {
+        self.apart_look_due() && self.look_apart()
+    }
+
+    /// Whether [`Workspace::keep_apart`] looks: blocks an earlier cycle end left live in the
+    /// current region, and not those a look found nothing new among.
+    #[inline]
+    fn apart_look_due(&self) -> bool {
         let kept = self.cycles.kept_here;
-        if kept.1 == 0 || kept == self.apart.looked || self.regions.current().map(ArenaRegion::id) != Some(kept.0) {
-            return false;
-        }
-        self.look_apart()
+        kept.1 > 0 && kept != self.apart.looked && self.regions.current().map(ArenaRegion::id) == Some(kept.0)
     }
 
     /// Puts apart the classes of results kept in the region ([`Workspace::keep_apart`]), and
@@ -935,7 +967,18 @@ impl Workspace {
     /// [`APART_AT_ONCE`] times at once, then after a wait that doubles each time (up to
     /// [`MAX_HOLD`] cycles), if results kept then still live in it. Meanwhile the classes are
     /// apart all the same, and their kept blocks stay where they are.
+    #[inline]
     fn replace_for_apart(&mut self) -> bool {
+        // Nothing is pending and nothing new to look at: most closes.
+        if self.apart.pending.is_none() && !self.apart_look_due() {
+            return false;
+        }
+        self.replace_for_apart_now()
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn replace_for_apart_now(&mut self) -> bool {
         let region = self.regions.current().map(ArenaRegion::id);
         if self.keep_apart() {
             self.apart.pending = region;
@@ -989,9 +1032,13 @@ impl Workspace {
     /// external footprint of the recent cycles.
     fn settle_external_cache(&mut self) {
         self.own.peaks.close_cycle(self.cycles.completed);
-        if self.own.cached_bytes() == 0 {
-            return;
+        if self.own.cached_bytes() > 0 {
+            self.shrink_external_cache();
         }
+    }
+
+    #[inline(never)]
+    fn shrink_external_cache(&mut self) {
         self.own.release_stale(self.cycles.completed);
         let live = self.accounts.external_slot;
         self.own.shrink_to(self.own.peaks.cache_budget(live));
