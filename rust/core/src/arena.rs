@@ -5,10 +5,11 @@
 //! ([`crate::classes`]). A block freed in a region that rewinds at cycle ends goes on the LIFO
 //! free list of its class and is the first handed out again for a request of that class, before
 //! any other memory: a cycle's footprint follows its peak live bytes, and the reused block is
-//! cache-hot. Otherwise allocation bumps a cursor through the current *hole*, a run of memory known
-//! to be free; when the hole is exhausted the allocator walks the header chain for the next run of
-//! freed blocks (listed or not), skipping blocks that are still live (pinned), and merges runs as
-//! it goes. Every operation is O(1) but the walk, which costs O(1) amortised per block freed.
+//! cache-hot. From 128 KiB on, a request whose class has no free block takes one of the next class
+//! up before new memory (see [`NEXT_CLASS_FROM`]). Otherwise allocation bumps a cursor through
+//! the current *hole*, a run of memory known to be free; when the hole is exhausted the allocator
+//! walks the header chain for the next run of freed blocks (listed or not), skipping blocks that
+//! are still live (pinned), and merges runs as it goes. Every operation is O(1) but the walk, which costs O(1) amortised per block freed.
 //! When nothing is live at a cycle end the region rewinds in O(1): this is the common case and it
 //! costs nothing. When blocks escape, later cycles allocate around them: memory is never handed
 //! out twice while a block lives.
@@ -71,6 +72,13 @@ pub const NO_CLASS: u16 = u16::MAX;
 
 /// Larger classes a request may take a listed block of, when its own list is empty.
 const CLASS_SLACK: usize = 4;
+
+/// A request of a page-aligned class (128 KiB and more) takes a free block of the next class up
+/// before new memory from the hole: at most an eighth larger than its own class, against a whole
+/// block more of the region touched. A loop whose temporaries of two neighbouring classes come
+/// and go in turn (a float64 copy with a row prepended, then float64 results of the plain shape)
+/// otherwise carves a block of each class and keeps both resident.
+const NEXT_CLASS_FROM: usize = PAGE_ALIGNED_FROM;
 
 /// Where a block's memory came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,6 +195,14 @@ impl FreeLists {
         self.hot_set.drain(|c| hot[c] = NONE);
         self.epoch = self.epoch.wrapping_add(1);
         self.bytes = 0;
+    }
+
+    /// Whether a request of class `class` takes a free block of the next class up (see
+    /// [`NEXT_CLASS_FROM`]): one is hot or listed.
+    #[inline(always)]
+    fn next_class_free(&self, class: usize) -> bool {
+        let up = class + 1;
+        class >= NEXT_CLASS_FROM && up < CLASSES && (self.hot[up] != NONE || self.nonempty.contains(up))
     }
 }
 
@@ -653,8 +669,9 @@ impl ArenaRegion {
 
     /// Hands out a block for a request of `requested` bytes of class `class` (slot `slot`,
     /// header included): the class's most recently freed block (its hot slot, then its list),
-    /// else from the hole, else a listed block a few classes larger, else from a run found by the
-    /// walk. Returns the data pointer, the block's slot, and the offset of its header.
+    /// else (from [`NEXT_CLASS_FROM`] on) a free block of the next class up, else from the hole,
+    /// else a listed block a few classes larger, else from a run found by the walk. Returns the
+    /// data pointer, the block's slot, and the offset of its header.
     #[inline(always)]
     pub fn take(
         &mut self,
@@ -673,7 +690,7 @@ impl ArenaRegion {
             }
         }
         if self.limit - self.cursor >= slot
-            && !self.lists.as_deref().is_some_and(|l| l.nonempty.contains(class))
+            && !self.lists.as_deref().is_some_and(|l| l.nonempty.contains(class) || l.next_class_free(class))
             && self.pad(class, self.cursor) == 0
         {
             let off = self.cursor;
@@ -714,12 +731,33 @@ impl ArenaRegion {
             self.unlist(off, class);
             return Some(self.reuse(off, slot, requested, generation));
         }
+        if self.lists.as_deref().is_some_and(|l| l.next_class_free(class)) {
+            return Some(self.reuse_next_class(class + 1, requested, generation));
+        }
         let (off, slot) = match self.carve_here(class, slot) {
             Some(off) => (off, slot),
             None => self.carve_slow(class, slot)?,
         };
         // SAFETY: `[off, off+slot)` was just carved for this slot.
         Some((unsafe { self.hand_out(off, slot, requested, generation) }, slot, off))
+    }
+
+    /// Hands out the free block of class `up` (the next class up from the request's, see
+    /// [`NEXT_CLASS_FROM`]): its hot block, else the head of its list. The block keeps its slot,
+    /// which the caller counts.
+    fn reuse_next_class(&mut self, up: usize, requested: usize, generation: u64) -> (NonNull<u8>, usize, usize) {
+        let slot = class_size(up) + HEADER;
+        let l = self.lists.as_deref_mut().expect("a free block of the next class has lists");
+        let hot = std::mem::replace(&mut l.hot[up], NONE);
+        let off = if hot != NONE {
+            l.bytes -= slot;
+            hot
+        } else {
+            let off = l.heads[up];
+            self.unlist(off, up);
+            off
+        };
+        self.reuse(off, slot, requested, generation)
     }
 
     /// Bytes to skip at `off` so that a block of class `class` carved there has its data on a
@@ -1329,6 +1367,34 @@ mod tests {
             r.rewind();
             assert_eq!(take(&mut r, 1000), Some(a), "lists {lists}: a rewound region starts at its base");
         }
+    }
+
+    #[test]
+    fn a_large_request_takes_a_free_block_of_the_next_class_before_new_memory() {
+        let mut r = ArenaRegion::new(1, 7, 4 << 20, Arc::new(HeapMemory), true).expect("a test region");
+        let (own, up) = (128 << 10, 140 << 10);
+        assert_eq!(class_of(up), class_of(own).map(|c| c + 1), "neighbouring classes");
+        // Two blocks of the class above, freed behind a live one: one goes to the hot slot, one
+        // to the list.
+        let (a, b) = (take(&mut r, up).unwrap(), take(&mut r, up).unwrap());
+        let _fence = take(&mut r, 1000).unwrap();
+        free(&mut r, a);
+        free(&mut r, b);
+        let taken: Vec<_> = (0..2).map(|_| take(&mut r, own).unwrap()).collect();
+        assert!(taken.contains(&a) && taken.contains(&b), "both free blocks serve the smaller class");
+        let slot = |size| class_size(class_of(size).unwrap()) + HEADER;
+        assert_eq!(r.verify(), 2 * slot(up) + slot(1000), "counted as the slots they have");
+        // With none free above it, the request carves new memory past them.
+        let c = take(&mut r, own).unwrap();
+        assert!(c > a && c > b);
+        // Below 128 KiB a request keeps to its own class: a free block one class up stays free.
+        let (small, small_up) = (100 << 10, 110 << 10);
+        assert_eq!(class_of(small_up), class_of(small).map(|c| c + 1));
+        let d = take(&mut r, small_up).unwrap();
+        let _fence = take(&mut r, 1000).unwrap();
+        free(&mut r, d);
+        assert_ne!(take(&mut r, small).unwrap(), d);
+        assert_eq!(take(&mut r, small_up), Some(d), "still free for its own class");
     }
 
     #[test]
