@@ -205,8 +205,6 @@ pub(crate) struct Accounts {
     pub pinned_slot: usize,
     /// Peak of the slot bytes the open cycle itself has live (`live_slot - pinned_slot`).
     pub own_peak: usize,
-    /// Peak of what all live blocks take in an arena ([`Accounts::held`]) in the open cycle.
-    live_peak: usize,
     /// Slot bytes of blocks of earlier cycles freed in the open cycle: state a loop replaces
     /// every cycle (`w = w - lr * g`), live beside the cycle's own blocks until replaced.
     pub unpinned_slot: usize,
@@ -246,7 +244,6 @@ impl Accounts {
             self.large_live += 1;
         }
         self.own_peak = self.own_peak.max(self.own_live());
-        self.live_peak = self.live_peak.max(self.held());
         self.cycle_peak = self.cycle_peak.max(self.used + self.external);
     }
 
@@ -330,19 +327,9 @@ impl Accounts {
     /// Blocks kept on (results a loop collects) never count: where cycles overlap and none
     /// pins, what was live as the cycle opened and still is comes off (at most the lesser of
     /// the two), or results kept by overlapping cycles would add up to a need for all of them.
-    ///
-    /// Where no cycle overlapped, it is at most the peak of all live blocks less those pinned
-    /// still: these lived through the whole cycle, so what is left is what the cycle had live at
-    /// once, its own blocks and the state it replaced as far as they lived together. State that
-    /// shrinks from one cycle to the next (a batch of 4 MB arrays replaced by one of 2 MB arrays,
-    /// each freed as its successor is made) otherwise counts whole beside the new peak.
     pub fn cycle_need(&self) -> usize {
         let kept = self.kept_on().min(self.own_live());
-        let need = self.own_peak.saturating_sub(kept).saturating_add(self.unpinned_slot);
-        if self.overlap {
-            return need;
-        }
-        need.min(self.live_peak.saturating_sub(self.pinned_slot + self.large_pinned * MOST_PAD))
+        self.own_peak.saturating_sub(kept).saturating_add(self.unpinned_slot)
     }
 
     /// Of what the open cycle's accounts held as it opened, what is kept on: where cycles
@@ -426,7 +413,6 @@ impl Accounts {
     /// A cycle opens.
     pub fn open_cycle(&mut self) {
         self.cycle_peak = self.used + self.external;
-        self.live_peak = self.held();
         self.own_peak = self.own_live();
         self.open_live = self.own_peak;
         self.unpinned_slot = 0;
@@ -477,52 +463,14 @@ mod tests {
         assert_eq!(a.cycle_need(), 384);
         assert_eq!(a.close_cycle(1), (1, 100));
         assert_eq!((a.pinned_blocks, a.pinned, a.pinned_slot), (1, 100, 192));
-        // Next cycle: the kept block is replaced by a new one made before it is freed
-        // (`w = w - g`): both count.
+        // Next cycle: the kept block is replaced (freed, pinned), and a new one made.
         a.open_cycle();
         assert_eq!(a.cycle_need(), 0, "a kept block is not this cycle's need");
-        a.count_arena(100, 192);
         a.unpin(100, 192);
         a.uncount_arena(100, 192);
+        a.count_arena(100, 192);
         assert_eq!(a.cycle_need(), 192 + 192, "the replaced state and the new block");
         assert_eq!(a.close_cycle(1), (1, 100));
-        // State freed before its successor is made never lived beside it.
-        a.open_cycle();
-        a.unpin(100, 192);
-        a.uncount_arena(100, 192);
-        a.count_arena(100, 192);
-        assert_eq!(a.cycle_need(), 192, "the new block alone");
-        assert_eq!(a.close_cycle(1), (1, 100));
-    }
-
-    /// State that shrinks from one cycle to the next, each block freed as its successor is made,
-    /// needs what lived at once, not the whole old state beside the whole new one; a block kept
-    /// on through the cycle counts in neither.
-    #[test]
-    fn shrinking_state_needs_what_lived_at_once() {
-        let (big, small, kept) = (4 << 10, 2 << 10, 1 << 10);
-        let mut a = Accounts::default();
-        a.open_cycle();
-        for _ in 0..4 {
-            a.count_arena(big, big);
-        }
-        a.count_arena(kept, kept);
-        a.close_cycle(5);
-        a.open_cycle();
-        for _ in 0..4 {
-            a.count_arena(small, small);
-            a.unpin(big, big);
-            a.uncount_arena(big, big);
-        }
-        // At most all four old blocks and one new one lived at once.
-        assert_eq!(a.cycle_need(), 4 * big + small);
-        assert!(a.cycle_need() < a.own_peak + a.unpinned_slot, "less than the old state beside the new");
-        a.close_cycle(5);
-        // Where cycles overlap nothing is pinned, and the need is as before.
-        a.open_cycle();
-        a.open_beside(2, 2);
-        a.count_arena(small, small);
-        assert_eq!(a.cycle_need(), small);
     }
 
     /// Blocks of the page-aligned classes count the filler an arena may put in front of them.
