@@ -228,6 +228,15 @@ pub fn slot_for(size: usize) -> Option<usize> {
     Some(class_size(class_of(size)?) + HEADER)
 }
 
+/// Whether an arena block of `slot` bytes serves a request of `size` bytes where it lies: its
+/// slot is the request's, or one class up (as a request of 128 KiB or more may take, see
+/// [`NEXT_CLASS_FROM`]).
+pub fn stays_in(slot: usize, size: usize) -> bool {
+    let Some(c) = class_of(size) else { return false };
+    let own = class_size(c) + HEADER;
+    own == slot || (c >= NEXT_CLASS_FROM && c + 1 < CLASSES && class_size(c + 1) + HEADER == slot)
+}
+
 /// Writes a live header at `at` and returns the data pointer behind it.
 ///
 /// # Safety

@@ -1501,8 +1501,8 @@ impl Workspace {
         true
     }
 
-    /// Resizes a block, keeping its contents up to the smaller size. In place when its class
-    /// does not change.
+    /// Resizes a block, keeping its contents up to the smaller size. In place when its slot is
+    /// the new size's, or one class up ([`crate::arena::stays_in`]).
     ///
     /// # Safety
     /// As for [`Workspace::free`] (`p` is live, and not used after a successful call).
@@ -1516,7 +1516,7 @@ impl Workspace {
         // SAFETY: a live header of ours; the borrow ends before the block can be freed below.
         let h = unsafe { &mut *hp.as_ptr() };
         let old = h.requested;
-        if h.kind == BlockKind::Arena && crate::arena::slot_for(new_size) == Some(h.slot) && !self.cycles.destroyed {
+        if h.kind == BlockKind::Arena && crate::arena::stays_in(h.slot, new_size) && !self.cycles.destroyed {
             h.requested = new_size;
             if self.recording {
                 let (r, at) = (self.limit.recorder(), p.as_ptr() as usize);
