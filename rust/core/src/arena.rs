@@ -1396,6 +1396,9 @@ mod tests {
         // With none free above it, the request carves new memory past them.
         let c = take(&mut r, own).unwrap();
         assert!(c > a && c > b);
+        // Freed, a block goes back to its own class: a request of that class takes it again.
+        free(&mut r, taken[0]);
+        assert_eq!(take(&mut r, up), Some(taken[0]));
         // Below 128 KiB a request keeps to its own class: a free block one class up stays free.
         let (small, small_up) = (100 << 10, 110 << 10);
         assert_eq!(class_of(small_up), class_of(small).map(|c| c + 1));
