@@ -9,10 +9,10 @@
 //! up before new memory (see [`NEXT_CLASS_FROM`]). Otherwise allocation bumps a cursor through
 //! the current *hole*, a run of memory known to be free; when the hole is exhausted the allocator
 //! walks the header chain for the next run of freed blocks (listed or not), skipping blocks that
-//! are still live (pinned), and merges runs as it goes. Every operation is O(1) but the walk, which costs O(1) amortised per block freed.
-//! When nothing is live at a cycle end the region rewinds in O(1): this is the common case and it
-//! costs nothing. When blocks escape, later cycles allocate around them: memory is never handed
-//! out twice while a block lives.
+//! are still live (pinned), and merges runs as it goes. Every operation is O(1) but the walk,
+//! which costs O(1) amortised per block freed. When nothing is live at a cycle end the region
+//! rewinds in O(1): this is the common case and it costs nothing. When blocks escape, later
+//! cycles allocate around them: memory is never handed out twice while a block lives.
 //!
 //! Blocks of 128 KiB and more start their data on a 4 KiB boundary (a free filler block goes in
 //! front of one carved elsewhere; the cycle's need counts room for it): large arrays whose
