@@ -80,6 +80,13 @@ const CLASS_SLACK: usize = 4;
 /// otherwise carves a block of each class and keeps both resident.
 const NEXT_CLASS_FROM: usize = PAGE_ALIGNED_FROM;
 
+/// Whether a request of class `class` may be served by a block of the next class up (see
+/// [`NEXT_CLASS_FROM`]).
+#[inline(always)]
+const fn borrows_up(class: usize) -> bool {
+    class >= NEXT_CLASS_FROM && class + 1 < CLASSES
+}
+
 /// Where a block's memory came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -201,8 +208,7 @@ impl FreeLists {
     /// [`NEXT_CLASS_FROM`]): one is hot or listed.
     #[inline(always)]
     fn next_class_free(&self, class: usize) -> bool {
-        let up = class + 1;
-        class >= NEXT_CLASS_FROM && up < CLASSES && (self.hot[up] != NONE || self.nonempty.contains(up))
+        borrows_up(class) && (self.hot[class + 1] != NONE || self.nonempty.contains(class + 1))
     }
 }
 
@@ -233,8 +239,7 @@ pub fn slot_for(size: usize) -> Option<usize> {
 /// [`NEXT_CLASS_FROM`]).
 pub fn stays_in(slot: usize, size: usize) -> bool {
     let Some(c) = class_of(size) else { return false };
-    let own = class_size(c) + HEADER;
-    own == slot || (c >= NEXT_CLASS_FROM && c + 1 < CLASSES && class_size(c + 1) + HEADER == slot)
+    class_size(c) + HEADER == slot || (borrows_up(c) && class_size(c + 1) + HEADER == slot)
 }
 
 /// Writes a live header at `at` and returns the data pointer behind it.

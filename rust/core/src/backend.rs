@@ -253,7 +253,6 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 }
 
-/// The page size, asked of the system once (cycle ends round to it).
 /// The whole pages inside `[start, start + len)`: from the first page boundary at or after
 /// `start` to the last at or before its end (none where the first is not below the last).
 pub(crate) fn whole_pages(start: usize, len: usize) -> (usize, usize) {
@@ -274,6 +273,7 @@ unsafe fn advise_whole_pages(start: usize, len: usize, advice: libc::c_int) {
     }
 }
 
+/// The page size, asked of the system once (cycle ends round to it).
 fn page_size() -> usize {
     static PAGE: AtomicUsize = AtomicUsize::new(0);
     let known = PAGE.load(Ordering::Relaxed);
