@@ -2,15 +2,16 @@
 //!
 //! Every block carries a 64-byte [`BlockHeader`] in front of its data, and the headers of a region
 //! tile it from offset 0 up to its *chain end*. Blocks are carved in class sizes
-//! ([`crate::classes`]). A block freed in a region that rewinds at cycle ends goes on the LIFO
-//! free list of its class and is the first handed out again for a request of that class, before
-//! any other memory: a cycle's footprint follows its peak live bytes, and the reused block is
-//! cache-hot. From 128 KiB on, a request whose class has no free block takes one of the next class
-//! up before new memory (see [`NEXT_CLASS_FROM`]). Otherwise allocation bumps a cursor through
-//! the current *hole*, a run of memory known to be free; when the hole is exhausted the allocator
-//! walks the header chain for the next run of freed blocks (listed or not), skipping blocks that
-//! are still live (pinned), and merges runs as it goes. Every operation is O(1) but the walk,
-//! which costs O(1) amortised per block freed. When nothing is live at a cycle end the region
+//! ([`crate::classes`]). A block under 128 KiB freed in a region that rewinds at cycle ends goes
+//! on the LIFO free list of its class and is the first handed out again for a request of that
+//! class, before any other memory: a cycle's footprint follows its peak live bytes, and the reused
+//! block is cache-hot. Larger blocks go on one list in address order, merged with their free
+//! neighbours, and a large request takes the lowest free block that holds it (see [`ORDERED`]).
+//! Otherwise allocation bumps a cursor through the current *hole*, a run of memory known to be
+//! free; when the hole is exhausted the allocator walks the header chain for the next run of freed
+//! blocks (listed or not), skipping blocks that are still live (pinned), and merges runs as it
+//! goes. Every operation is O(1) but the walk, which costs O(1) amortised per block freed, and the
+//! large blocks' list, walked over at most [`ORDERED_SCAN`] blocks. When nothing is live at a cycle end the region
 //! rewinds in O(1): this is the common case and it costs nothing. When blocks escape, later
 //! cycles allocate around them: memory is never handed out twice while a block lives.
 //!
@@ -26,7 +27,7 @@ use std::ptr::{addr_of, NonNull};
 use std::sync::Arc;
 
 use crate::backend::{AnonymousMemory, Backend, BLOCK_ALIGN, HUGE_PAGE_THRESHOLD};
-use crate::classes::{class_of, class_size, ClassSet, CLASSES, PAGE_ALIGNED_FROM};
+use crate::classes::{class_of, class_size, ClassSet, CLASSES, PAGE_ALIGNED_FROM, PAGE_ALIGNED_SIZE};
 use crate::error::BackendError;
 use crate::fallible::try_box;
 use crate::sanitizer::{poison, unpoison};
@@ -73,18 +74,40 @@ pub const NO_CLASS: u16 = u16::MAX;
 /// Larger classes a request may take a listed block of, when its own list is empty.
 const CLASS_SLACK: usize = 4;
 
-/// A request of a page-aligned class (128 KiB and more) takes a free block of the next class up
-/// before new memory from the hole: at most an eighth larger than its own class, against a whole
-/// block more of the region touched. A loop whose temporaries of two neighbouring classes come
-/// and go in turn (a float64 copy with a row prepended, then float64 results of the plain shape)
-/// otherwise carves a block of each class and keeps both resident.
-const NEXT_CLASS_FROM: usize = PAGE_ALIGNED_FROM;
+/// The free list of every block of a page-aligned class (128 KiB and more): one list in address
+/// order, its neighbours merged as they are freed, from which a request takes a block of its class
+/// or the next one up (at most an eighth larger) wherever it lies, else the lowest block that holds
+/// it (first fit). Lists by class keep the blocks of each size apart: where the sizes
+/// of a loop's temporaries change from cycle to cycle (a table grown by a row, images of several
+/// shapes, state one class up from the last cycle's), each class's blocks keep places of their
+/// own around the state still live, and the region's whole room becomes resident.
+const ORDERED: usize = PAGE_ALIGNED_FROM;
 
-/// Whether a request of class `class` may be served by a block of the next class up (see
-/// [`NEXT_CLASS_FROM`]).
+/// The smallest slot on the [`ORDERED`] list.
+const ORDERED_MIN_SLOT: usize = PAGE_ALIGNED_SIZE + HEADER;
+
+/// Listed blocks the [`ORDERED`] list is walked over at most, to place a freed block or to find
+/// one for a request: the cost stays bounded where many large free blocks lie apart (a block then
+/// goes in where the walk stopped, and a request beyond it carves new memory).
+const ORDERED_SCAN: usize = 64;
+
+/// The list a free block of `slot` bytes goes on: its class's, or [`ORDERED`] from 128 KiB on
+/// (where merged blocks have slots of no class size).
+#[inline]
+fn list_of(slot: usize) -> usize {
+    if slot >= ORDERED_MIN_SLOT {
+        ORDERED
+    } else {
+        slot_class(slot)
+    }
+}
+
+/// Whether a block of the class one up from `class` may serve a request of `class` where it lies
+/// (`realloc` to a size of the class below): from 128 KiB on, where a block is at most an eighth
+/// larger than the request's class.
 #[inline(always)]
 const fn borrows_up(class: usize) -> bool {
-    class >= NEXT_CLASS_FROM && class + 1 < CLASSES
+    class >= PAGE_ALIGNED_FROM && class + 1 < CLASSES
 }
 
 /// Where a block's memory came from.
@@ -164,9 +187,10 @@ impl BlockHeader {
     }
 }
 
-/// The free lists of a region: one LIFO list per class, doubly linked through the headers of
-/// the listed blocks (offsets), so that the walk can take a listed block out of its list in O(1)
-/// when it merges it into a run. Clearing them all is O(1): a new epoch makes every header listed
+/// The free lists of a region: one LIFO list per class below 128 KiB and one list in address
+/// order above (see [`ORDERED`]), doubly linked through the headers of the listed blocks
+/// (offsets), so that the walk can take a listed block out of its list in O(1) when it merges it
+/// into a run. Clearing them all is O(1): a new epoch makes every header listed
 /// under an older one an ordinary free header.
 #[derive(Debug)]
 struct FreeLists {
@@ -203,13 +227,6 @@ impl FreeLists {
         self.epoch = self.epoch.wrapping_add(1);
         self.bytes = 0;
     }
-
-    /// Whether a request of class `class` takes a free block of the next class up (see
-    /// [`NEXT_CLASS_FROM`]): one is hot or listed.
-    #[inline(always)]
-    fn next_class_free(&self, class: usize) -> bool {
-        borrows_up(class) && (self.hot[class + 1] != NONE || self.nonempty.contains(class + 1))
-    }
 }
 
 /// What a free arena block's header keeps in its first link (which arena blocks use for nothing
@@ -219,7 +236,7 @@ fn freed_at(clock: u64) -> *mut u8 {
     std::ptr::without_provenance_mut(clock as usize)
 }
 
-/// The class of a block by its slot; slots are always a class size plus a header.
+/// The class of a block by its slot; the slots of blocks carved are a class size plus a header.
 #[inline]
 fn slot_class(slot: usize) -> usize {
     let c = class_of(slot - HEADER).expect("slots are class sized");
@@ -235,8 +252,7 @@ pub fn slot_for(size: usize) -> Option<usize> {
 }
 
 /// Whether an arena block of `slot` bytes serves a request of `size` bytes where it lies: its
-/// slot is the request's, or one class up (as a request of 128 KiB or more may take, see
-/// [`NEXT_CLASS_FROM`]).
+/// slot is the request's, or one class up from 128 KiB on (see [`borrows_up`]).
 pub fn stays_in(slot: usize, size: usize) -> bool {
     let Some(c) = class_of(size) else { return false };
     class_size(c) + HEADER == slot || (borrows_up(c) && class_size(c + 1) + HEADER == slot)
@@ -682,10 +698,11 @@ impl ArenaRegion {
     }
 
     /// Hands out a block for a request of `requested` bytes of class `class` (slot `slot`,
-    /// header included): the class's most recently freed block (its hot slot, then its list),
-    /// else (from [`NEXT_CLASS_FROM`] on) a free block of the next class up, else from the hole,
-    /// else a listed block a few classes larger, else from a run found by the walk. Returns the
-    /// data pointer, the block's slot, and the offset of its header.
+    /// header included): below 128 KiB the class's most recently freed block (its hot slot, then
+    /// its list), from 128 KiB on the lowest listed block or the hole, whichever lies first and
+    /// holds it (see [`ORDERED`]); else from the hole, else a listed block a few classes larger,
+    /// else from a run found by the walk. Returns the data pointer, the block's slot, and the
+    /// offset of its header.
     #[inline(always)]
     pub fn take(
         &mut self,
@@ -704,7 +721,7 @@ impl ArenaRegion {
             }
         }
         if self.limit - self.cursor >= slot
-            && !self.lists.as_deref().is_some_and(|l| l.nonempty.contains(class) || l.next_class_free(class))
+            && !self.lists.as_deref().is_some_and(|l| l.nonempty.contains(class.min(ORDERED)))
             && self.pad(class, self.cursor) == 0
         {
             let off = self.cursor;
@@ -740,15 +757,13 @@ impl ArenaRegion {
         requested: usize,
         generation: u64,
     ) -> Option<(NonNull<u8>, usize, usize)> {
-        if self.lists.as_deref().is_some_and(|l| l.nonempty.contains(class)) {
+        if class < ORDERED && self.lists.as_deref().is_some_and(|l| l.nonempty.contains(class)) {
             let off = self.lists.as_deref().expect("lists").heads[class];
             self.unlist(off, class);
             return Some(self.reuse(off, slot, requested, generation));
         }
-        if self.lists.as_deref().is_some_and(|l| l.next_class_free(class)) {
-            return Some(self.reuse_next_class(class + 1, requested, generation));
-        }
-        let (off, slot) = match self.carve_here(class, slot) {
+        let found = if class >= ORDERED { self.first_fit(class, slot) } else { None };
+        let (off, slot) = match found.or_else(|| self.carve_here(class, slot)) {
             Some(off) => (off, slot),
             None => self.carve_slow(class, slot)?,
         };
@@ -756,22 +771,129 @@ impl ArenaRegion {
         Some((unsafe { self.hand_out(off, slot, requested, generation) }, slot, off))
     }
 
-    /// Hands out the free block of class `up` (the next class up from the request's, see
-    /// [`NEXT_CLASS_FROM`]): its hot block, else the head of its list. The block keeps its slot,
-    /// which the caller counts.
-    fn reuse_next_class(&mut self, up: usize, requested: usize, generation: u64) -> (NonNull<u8>, usize, usize) {
-        let slot = class_size(up) + HEADER;
-        let l = self.lists.as_deref_mut().expect("a free block of the next class has lists");
-        let hot = std::mem::replace(&mut l.hot[up], NONE);
-        let off = if hot != NONE {
-            l.bytes -= slot;
-            hot
-        } else {
-            let off = l.heads[up];
-            self.unlist(off, up);
-            off
-        };
-        self.reuse(off, slot, requested, generation)
+    /// Carves a block of page-aligned class `class` from a block on the [`ORDERED`] list: the
+    /// first of its class or the next one up, else the lowest that holds it; its rest goes back
+    /// on the list. None where no block within [`ORDERED_SCAN`] holds it, or only one that lies
+    /// above a hole that holds it. A request below [`LARGE_KEPT`] passes over the blocks kept
+    /// whole (as the walk does).
+    fn first_fit(&mut self, class: usize, slot: usize) -> Option<usize> {
+        let l = self.lists.as_deref()?;
+        if !l.nonempty.contains(ORDERED) {
+            return None;
+        }
+        let hole_holds = self.limit - self.cursor >= self.pad(class, self.cursor) + slot;
+        let small = slot < LARGE_KEPT;
+        // A block its class's or one class up holds nothing else as well: it is taken first.
+        let snug = if class + 1 < CLASSES { class_size(class + 1) + HEADER } else { slot };
+        let (mut at, mut lowest, mut chosen) = (l.heads[ORDERED], NONE, NONE);
+        for _ in 0..ORDERED_SCAN {
+            if at == NONE {
+                break;
+            }
+            let h = self.header_at(at);
+            let pad = self.pad(class, at);
+            if h.slot >= pad + slot && !(small && self.kept_until(at).is_some()) {
+                if h.slot - pad <= snug {
+                    chosen = at;
+                    break;
+                }
+                if lowest == NONE {
+                    lowest = at;
+                }
+            }
+            at = h.requested;
+        }
+        if chosen == NONE {
+            if lowest == NONE || (hole_holds && self.cursor < lowest) {
+                return None;
+            }
+            chosen = lowest;
+        }
+        {
+            let at = chosen;
+            {
+                let (len, freed) = {
+                    let h = self.unlist(at, ORDERED);
+                    (h.slot, h.links[0])
+                };
+                let pad = self.pad(class, at);
+                if pad > 0 {
+                    self.write_free_header(at, pad);
+                }
+                let off = at + pad;
+                let rest = len - pad - slot;
+                if rest > 0 {
+                    self.write_free_header(off + slot, rest);
+                    if rest >= ORDERED_MIN_SLOT {
+                        self.header_mut(off + slot).links[0] = freed;
+                        self.list_ordered(off + slot, rest, true);
+                    }
+                }
+                Some(off)
+            }
+        }
+    }
+
+    /// Puts the free block at `off` (its header already says free) on the [`ORDERED`] list in
+    /// address order; `merge`: merged with the listed blocks it adjoins (not while a walk may
+    /// step onto their headers). A merged block keeps the later time freed of the two (see
+    /// [`LARGE_KEPT`]).
+    #[inline(never)]
+    fn list_ordered(&mut self, off: usize, mut slot: usize, merge: bool) {
+        let Some(l) = self.lists.as_deref() else { return };
+        let (mut prev, mut at) = (NONE, if l.nonempty.contains(ORDERED) { l.heads[ORDERED] } else { NONE });
+        for _ in 0..ORDERED_SCAN {
+            if at == NONE || at > off {
+                break;
+            }
+            prev = at;
+            at = self.header_at(at).requested;
+        }
+        let mut freed = self.header_at(off).links[0];
+        if merge && at != NONE && off + slot == at {
+            // The block after begins at this one's end: it joins this one.
+            let h = self.unlist(at, ORDERED);
+            freed = freed.max(h.links[0]);
+            slot += h.slot;
+            at = if prev == NONE {
+                let l = self.lists.as_deref().expect("lists");
+                if l.nonempty.contains(ORDERED) {
+                    l.heads[ORDERED]
+                } else {
+                    NONE
+                }
+            } else {
+                self.header_at(prev).requested
+            };
+        }
+        if merge && prev != NONE && prev + self.header_at(prev).slot == off {
+            // This one begins at the end of the block before: it joins that one.
+            let h = self.header_mut(prev);
+            h.slot += slot;
+            h.links[0] = h.links[0].max(freed);
+            self.lists.as_deref_mut().expect("lists").bytes += slot;
+            return;
+        }
+        let l = self.lists.as_deref_mut().expect("lists");
+        let epoch = l.epoch;
+        l.bytes += slot;
+        if prev == NONE {
+            l.heads[ORDERED] = off;
+            l.nonempty.insert(ORDERED);
+        }
+        if prev != NONE {
+            self.header_mut(prev).requested = off;
+        }
+        if at != NONE {
+            self.header_mut(at).generation = off as u64;
+        }
+        let h = self.header_mut(off);
+        h.magic = MAGIC_LISTED;
+        h.region = epoch;
+        h.slot = slot;
+        h.requested = at;
+        h.generation = prev as u64;
+        h.links[0] = freed;
     }
 
     /// Bytes to skip at `off` so that a block of class `class` carved there has its data on a
@@ -804,7 +926,7 @@ impl ArenaRegion {
     #[cold]
     fn carve_slow(&mut self, class: usize, slot: usize) -> Option<(usize, usize)> {
         if let Some(l) = self.lists.as_deref() {
-            if let Some(c) = l.nonempty.next_from(class).filter(|&c| c <= class + CLASS_SLACK) {
+            if let Some(c) = l.nonempty.next_from(class).filter(|&c| c <= class + CLASS_SLACK && c < ORDERED) {
                 let off = l.heads[c];
                 self.unlist(off, c);
                 return Some((off, class_size(c) + HEADER));
@@ -818,9 +940,13 @@ impl ArenaRegion {
     }
 
     /// Keeps the block at `off`, just freed, for the next request of its class: in the class's
-    /// hot slot when it is empty, else on the list.
+    /// hot slot when it is empty, else on the list; from 128 KiB on, on the [`ORDERED`] list.
     #[inline(always)]
     fn keep(&mut self, off: usize, slot: usize, class: usize) {
+        if class >= ORDERED {
+            self.list_ordered(off, slot, true);
+            return;
+        }
         let Some(l) = self.lists.as_deref_mut() else { return };
         if l.hot[class] == NONE {
             l.hot[class] = off;
@@ -985,7 +1111,7 @@ impl ArenaRegion {
             }
             let slot = h.slot;
             if self.is_listed(pos) {
-                self.unlist(pos, slot_class(slot));
+                self.unlist(pos, list_of(slot));
             }
             pos += slot;
         }
@@ -1081,7 +1207,8 @@ impl ArenaRegion {
                 self.freed_since_scan = self.freed_since_scan.saturating_sub(pos - run_start);
                 return true;
             }
-            // Too small for this request: merge the run so later walks step over it at once.
+            // Too small for this request: merge the run so later walks step over it at once,
+            // and list it where a large request may take it.
             self.write_free_header(run_start, pos - run_start);
             largest = largest.max(pos - run_start);
         }
@@ -1257,7 +1384,7 @@ impl ArenaRegion {
                 while at != NONE {
                     assert!(at < chain_end && self.is_listed(at), "class {c}: {at} is not a listed block");
                     let h = self.header_at(at);
-                    assert_eq!(slot_class(h.slot), c, "block {at} on the wrong list");
+                    assert_eq!(list_of(h.slot), c, "block {at} on the wrong list");
                     assert_eq!(h.generation as usize, prev, "block {at}: broken back link");
                     on_lists += h.slot;
                     (prev, at) = (at, h.requested);
@@ -1384,26 +1511,34 @@ mod tests {
     }
 
     #[test]
-    fn a_large_request_takes_a_free_block_of_the_next_class_before_new_memory() {
-        let mut r = ArenaRegion::new(1, 7, 4 << 20, Arc::new(HeapMemory), true).expect("a test region");
-        let (own, up) = (128 << 10, 140 << 10);
-        assert_eq!(class_of(up), class_of(own).map(|c| c + 1), "neighbouring classes");
-        // Two blocks of the class above, freed behind a live one: one goes to the hot slot, one
-        // to the list.
-        let (a, b) = (take(&mut r, up).unwrap(), take(&mut r, up).unwrap());
-        let _fence = take(&mut r, 1000).unwrap();
-        free(&mut r, a);
-        free(&mut r, b);
-        let taken: Vec<_> = (0..2).map(|_| take(&mut r, own).unwrap()).collect();
-        assert!(taken.contains(&a) && taken.contains(&b), "both free blocks serve the smaller class");
+    fn a_large_request_takes_the_lowest_free_block_that_holds_it() {
+        let mut r = ArenaRegion::new(1, 7, 8 << 20, Arc::new(HeapMemory), true).expect("a test region");
         let slot = |size| class_size(class_of(size).unwrap()) + HEADER;
-        assert_eq!(r.verify(), 2 * slot(up) + slot(1000), "counted as the slots they have");
-        // With none free above it, the request carves new memory past them.
-        let c = take(&mut r, own).unwrap();
-        assert!(c > a && c > b);
-        // Freed, a block goes back to its own class: a request of that class takes it again.
-        free(&mut r, taken[0]);
-        assert_eq!(take(&mut r, up), Some(taken[0]));
+        // Two free blocks of 256 KiB apart, freed high one first: the list keeps address order.
+        let a = take(&mut r, 256 << 10).unwrap();
+        let _fence = take(&mut r, 1000).unwrap();
+        let b = take(&mut r, 256 << 10).unwrap();
+        let _fence = take(&mut r, 1000).unwrap();
+        free(&mut r, b);
+        free(&mut r, a);
+        // A smaller large request takes the lower one, the front of it; the next one the other,
+        // before any new memory.
+        let c = take(&mut r, 128 << 10).unwrap();
+        assert_eq!(c, a, "the lowest free block that holds it");
+        assert_eq!(take(&mut r, 128 << 10), Some(b), "the next free block that holds it");
+        assert_eq!(r.verify(), 2 * slot(128 << 10) + 2 * slot(1000), "blocks of their own class's slots");
+        // A block freed where a listed one begins joins it: the front of a free block taken and
+        // freed again makes it whole.
+        let e = take(&mut r, 512 << 10).unwrap();
+        let _fence = take(&mut r, 1000).unwrap();
+        free(&mut r, e);
+        let front = take(&mut r, 256 << 10).unwrap();
+        assert_eq!(front, e, "the front of the free block");
+        assert_eq!(r.listed_bytes(), slot(512 << 10) - slot(256 << 10), "its rest listed");
+        free(&mut r, front);
+        assert_eq!(r.listed_bytes(), slot(512 << 10), "whole again, counted once");
+        assert_eq!(take(&mut r, 512 << 10), Some(e));
+        r.verify();
         // Below 128 KiB a request keeps to its own class: a free block one class up stays free.
         let (small, small_up) = (100 << 10, 110 << 10);
         assert_eq!(class_of(small_up), class_of(small).map(|c| c + 1));
@@ -1412,6 +1547,7 @@ mod tests {
         free(&mut r, d);
         assert_ne!(take(&mut r, small).unwrap(), d);
         assert_eq!(take(&mut r, small_up), Some(d), "still free for its own class");
+        r.verify();
     }
 
     #[test]

@@ -407,25 +407,22 @@ fn realloc_keeps_contents_in_place_or_moved() {
 }
 
 #[test]
-fn realloc_keeps_a_block_of_the_next_class_up_in_place() {
+fn realloc_keeps_a_large_block_in_place_one_class_down() {
     for_each_backend(|name, b| {
         let config = WorkspaceConfiguration { policy_learning: LearningPolicy::None, initial_size: 8 << 20, ..cfg() };
         let mut w = ws(b, config);
         w.enter().unwrap();
         // SAFETY: live blocks throughout, each freed once.
         unsafe {
-            // A request of 128 KiB takes a free block of the class above (144 KiB).
+            // A block of the 144 KiB class serves a size of the class below (128 KiB) in place.
             let up = w.alloc(140 << 10).unwrap();
             let fence = w.alloc(1000).unwrap();
-            w.free(up);
-            let own = w.alloc(128 << 10).unwrap();
-            assert_eq!(own, up, "{name}: the free block one class up");
-            fill(own.as_ptr(), 1000, 5);
-            assert_eq!(w.realloc(own, 128 << 10).unwrap(), own, "{name}: the same size stays");
-            assert_eq!(w.realloc(own, 140 << 10).unwrap(), own, "{name}: the block's own class stays");
+            fill(up.as_ptr(), 1000, 5);
+            assert_eq!(w.realloc(up, 128 << 10).unwrap(), up, "{name}: one class down stays");
+            assert_eq!(w.realloc(up, 140 << 10).unwrap(), up, "{name}: the block's own class stays");
             assert_eq!(w.stats().used_bytes, (140 << 10) + 1000);
-            let moved = w.realloc(own, 100 << 10).unwrap();
-            assert_ne!(moved, own, "{name}: two classes down moves");
+            let moved = w.realloc(up, 100 << 10).unwrap();
+            assert_ne!(moved, up, "{name}: two classes down moves");
             assert!(intact(moved.as_ptr(), 1000, 5), "{name}");
             w.free(moved);
             w.free(fence);
