@@ -6,7 +6,7 @@
 //! on the LIFO free list of its class and is the first handed out again for a request of that
 //! class, before any other memory: a cycle's footprint follows its peak live bytes, and the reused
 //! block is cache-hot. Larger blocks go on one list in address order, merged with their free
-//! neighbours, and a large request takes the lowest free block that holds it (see [`ORDERED`]).
+//! neighbours, and a large request takes the free block that holds it best (see [`ORDERED`]).
 //! Otherwise allocation bumps a cursor through the current *hole*, a run of memory known to be
 //! free; when the hole is exhausted the allocator walks the header chain for the next run of freed
 //! blocks (listed or not), skipping blocks that are still live (pinned), and merges runs as it
@@ -76,8 +76,9 @@ const CLASS_SLACK: usize = 4;
 
 /// The free list of every block of a page-aligned class (128 KiB and more): one list in address
 /// order, its neighbours merged as they are freed, from which a request takes a block of its class
-/// or the next one up (at most an eighth larger) wherever it lies, else the lowest block that holds
-/// it (first fit). Lists by class keep the blocks of each size apart: where the sizes
+/// or the next one up (at most an eighth larger) wherever it lies, else the smallest block that
+/// holds it (best fit, the lowest of equals). Lists by class keep the blocks of each size apart:
+/// where the sizes
 /// of a loop's temporaries change from cycle to cycle (a table grown by a row, images of several
 /// shapes, state one class up from the last cycle's), each class's blocks keep places of their
 /// own around the state still live, and the region's whole room becomes resident.
@@ -762,7 +763,7 @@ impl ArenaRegion {
             self.unlist(off, class);
             return Some(self.reuse(off, slot, requested, generation));
         }
-        let found = if class >= ORDERED { self.first_fit(class, slot) } else { None };
+        let found = if class >= ORDERED { self.best_fit(class, slot) } else { None };
         let (off, slot) = match found.or_else(|| self.carve_here(class, slot)) {
             Some(off) => (off, slot),
             None => self.carve_slow(class, slot)?,
@@ -772,20 +773,19 @@ impl ArenaRegion {
     }
 
     /// Carves a block of page-aligned class `class` from a block on the [`ORDERED`] list: the
-    /// first of its class or the next one up, else the lowest that holds it; its rest goes back
-    /// on the list. None where no block within [`ORDERED_SCAN`] holds it, or only one that lies
-    /// above a hole that holds it. A request below [`LARGE_KEPT`] passes over the blocks kept
-    /// whole (as the walk does).
-    fn first_fit(&mut self, class: usize, slot: usize) -> Option<usize> {
+    /// first of its class or the next one up, else the smallest that holds it (the lowest of
+    /// equals); its rest goes back on the list. None where no block within [`ORDERED_SCAN`] holds
+    /// it, or the smallest lies above a hole that holds it. A request below [`LARGE_KEPT`] passes
+    /// over the blocks kept whole (as the walk does).
+    fn best_fit(&mut self, class: usize, slot: usize) -> Option<usize> {
         let l = self.lists.as_deref()?;
         if !l.nonempty.contains(ORDERED) {
             return None;
         }
-        let hole_holds = self.limit - self.cursor >= self.pad(class, self.cursor) + slot;
         let small = slot < LARGE_KEPT;
-        // A block its class's or one class up holds nothing else as well: it is taken first.
+        // A block of its class or one class up holds nothing else as well: it is taken first.
         let snug = if class + 1 < CLASSES { class_size(class + 1) + HEADER } else { slot };
-        let (mut at, mut lowest, mut chosen) = (l.heads[ORDERED], NONE, NONE);
+        let (mut at, mut best, mut best_slot, mut snugly) = (l.heads[ORDERED], NONE, usize::MAX, false);
         for _ in 0..ORDERED_SCAN {
             if at == NONE {
                 break;
@@ -794,52 +794,46 @@ impl ArenaRegion {
             let pad = self.pad(class, at);
             if h.slot >= pad + slot && !(small && self.kept_until(at).is_some()) {
                 if h.slot - pad <= snug {
-                    chosen = at;
+                    (best, snugly) = (at, true);
                     break;
                 }
-                if lowest == NONE {
-                    lowest = at;
+                if h.slot < best_slot {
+                    (best, best_slot) = (at, h.slot);
                 }
             }
             at = h.requested;
         }
-        if chosen == NONE {
-            if lowest == NONE || (hole_holds && self.cursor < lowest) {
-                return None;
-            }
-            chosen = lowest;
+        let hole_holds = self.limit - self.cursor >= self.pad(class, self.cursor) + slot;
+        if best == NONE || (!snugly && hole_holds && self.cursor < best) {
+            return None;
         }
-        {
-            let at = chosen;
-            {
-                let (len, freed) = {
-                    let h = self.unlist(at, ORDERED);
-                    (h.slot, h.links[0])
-                };
-                let pad = self.pad(class, at);
-                if pad > 0 {
-                    self.write_free_header(at, pad);
-                }
-                let off = at + pad;
-                let rest = len - pad - slot;
-                if rest > 0 {
-                    self.write_free_header(off + slot, rest);
-                    if rest >= ORDERED_MIN_SLOT {
-                        self.header_mut(off + slot).links[0] = freed;
-                        self.list_ordered(off + slot, rest, true);
-                    }
-                }
-                Some(off)
+        let at = best;
+        let (len, freed) = {
+            let h = self.unlist(at, ORDERED);
+            (h.slot, h.links[0])
+        };
+        let pad = self.pad(class, at);
+        if pad > 0 {
+            self.write_free_header(at, pad);
+        }
+        let off = at + pad;
+        let rest = len - pad - slot;
+        if rest > 0 {
+            self.write_free_header(off + slot, rest);
+            if rest >= ORDERED_MIN_SLOT {
+                self.header_mut(off + slot).links[0] = freed;
+                self.list_ordered(off + slot, rest);
             }
         }
+        Some(off)
     }
 
     /// Puts the free block at `off` (its header already says free) on the [`ORDERED`] list in
-    /// address order; `merge`: merged with the listed blocks it adjoins (not while a walk may
-    /// step onto their headers). A merged block keeps the later time freed of the two (see
-    /// [`LARGE_KEPT`]).
+    /// address order, merged with the listed blocks it adjoins (never while a walk is under way:
+    /// it could step onto a header merged away). A merged block keeps the later time freed of the
+    /// two (see [`LARGE_KEPT`]).
     #[inline(never)]
-    fn list_ordered(&mut self, off: usize, mut slot: usize, merge: bool) {
+    fn list_ordered(&mut self, off: usize, mut slot: usize) {
         let Some(l) = self.lists.as_deref() else { return };
         let (mut prev, mut at) = (NONE, if l.nonempty.contains(ORDERED) { l.heads[ORDERED] } else { NONE });
         for _ in 0..ORDERED_SCAN {
@@ -850,7 +844,7 @@ impl ArenaRegion {
             at = self.header_at(at).requested;
         }
         let mut freed = self.header_at(off).links[0];
-        if merge && at != NONE && off + slot == at {
+        if at != NONE && off + slot == at {
             // The block after begins at this one's end: it joins this one.
             let h = self.unlist(at, ORDERED);
             freed = freed.max(h.links[0]);
@@ -866,7 +860,7 @@ impl ArenaRegion {
                 self.header_at(prev).requested
             };
         }
-        if merge && prev != NONE && prev + self.header_at(prev).slot == off {
+        if prev != NONE && prev + self.header_at(prev).slot == off {
             // This one begins at the end of the block before: it joins that one.
             let h = self.header_mut(prev);
             h.slot += slot;
@@ -944,7 +938,7 @@ impl ArenaRegion {
     #[inline(always)]
     fn keep(&mut self, off: usize, slot: usize, class: usize) {
         if class >= ORDERED {
-            self.list_ordered(off, slot, true);
+            self.list_ordered(off, slot);
             return;
         }
         let Some(l) = self.lists.as_deref_mut() else { return };
@@ -1511,33 +1505,34 @@ mod tests {
     }
 
     #[test]
-    fn a_large_request_takes_the_lowest_free_block_that_holds_it() {
+    fn a_large_request_takes_a_snug_free_block_else_the_smallest_that_holds_it() {
         let mut r = ArenaRegion::new(1, 7, 8 << 20, Arc::new(HeapMemory), true).expect("a test region");
         let slot = |size| class_size(class_of(size).unwrap()) + HEADER;
-        // Two free blocks of 256 KiB apart, freed high one first: the list keeps address order.
-        let a = take(&mut r, 256 << 10).unwrap();
+        // Free blocks of 512 KiB, 256 KiB and 176 KiB apart, freed high one first: the list keeps
+        // address order.
+        let a = take(&mut r, 512 << 10).unwrap();
         let _fence = take(&mut r, 1000).unwrap();
         let b = take(&mut r, 256 << 10).unwrap();
         let _fence = take(&mut r, 1000).unwrap();
-        free(&mut r, b);
-        free(&mut r, a);
-        // A smaller large request takes the lower one, the front of it; the next one the other,
-        // before any new memory.
-        let c = take(&mut r, 128 << 10).unwrap();
-        assert_eq!(c, a, "the lowest free block that holds it");
-        assert_eq!(take(&mut r, 128 << 10), Some(b), "the next free block that holds it");
-        assert_eq!(r.verify(), 2 * slot(128 << 10) + 2 * slot(1000), "blocks of their own class's slots");
-        // A block freed where a listed one begins joins it: the front of a free block taken and
-        // freed again makes it whole.
-        let e = take(&mut r, 512 << 10).unwrap();
+        let c = take(&mut r, 176 << 10).unwrap();
         let _fence = take(&mut r, 1000).unwrap();
-        free(&mut r, e);
-        let front = take(&mut r, 256 << 10).unwrap();
-        assert_eq!(front, e, "the front of the free block");
-        assert_eq!(r.listed_bytes(), slot(512 << 10) - slot(256 << 10), "its rest listed");
+        for p in [c, b, a] {
+            free(&mut r, p);
+        }
+        // 160 KiB: the 176 KiB block is of the next class up, snug, taken though it lies highest.
+        assert_eq!(take(&mut r, 160 << 10), Some(c), "the snug block");
+        // 200 KiB: none snug; the smallest that holds it, not the lowest.
+        assert_eq!(take(&mut r, 200 << 10), Some(b), "the smallest block that holds it");
+        // 128 KiB: the front of the last one, before any new memory.
+        assert_eq!(take(&mut r, 128 << 10), Some(a), "the front of the one left");
+        assert_eq!(r.verify(), slot(160 << 10) + slot(200 << 10) + slot(128 << 10) + 3 * slot(1000));
+        assert_eq!(r.listed_bytes(), slot(512 << 10) - slot(128 << 10), "its rest listed");
+        // A block freed where a listed one begins joins it: the front taken, freed again, makes
+        // the block whole.
+        let front = a;
         free(&mut r, front);
         assert_eq!(r.listed_bytes(), slot(512 << 10), "whole again, counted once");
-        assert_eq!(take(&mut r, 512 << 10), Some(e));
+        assert_eq!(take(&mut r, 512 << 10), Some(a));
         r.verify();
         // Below 128 KiB a request keeps to its own class: a free block one class up stays free.
         let (small, small_up) = (100 << 10, 110 << 10);
