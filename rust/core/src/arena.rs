@@ -830,8 +830,11 @@ impl ArenaRegion {
 
     /// Puts the free block at `off` (its header already says free) on the [`ORDERED`] list in
     /// address order, merged with the listed blocks it adjoins (never while a walk is under way:
-    /// it could step onto a header merged away). A merged block keeps the later time freed of the
-    /// two (see [`LARGE_KEPT`]).
+    /// it could step onto a header merged away). Only a block freed whole at [`LARGE_KEPT`] bytes
+    /// or more is kept whole: a block under it is listed as freed long ago, and a merged block
+    /// takes the later time of the two. Blocks under [`LARGE_KEPT`] that merge past it would
+    /// otherwise make a block that every cycle's frees keep whole for good, and that smaller
+    /// requests never use.
     #[inline(never)]
     fn list_ordered(&mut self, off: usize, mut slot: usize) {
         let Some(l) = self.lists.as_deref() else { return };
@@ -843,7 +846,8 @@ impl ArenaRegion {
             prev = at;
             at = self.header_at(at).requested;
         }
-        let mut freed = self.header_at(off).links[0];
+        let long_ago = freed_at(self.clock.saturating_sub(LARGE_KEPT_FOR));
+        let mut freed = if slot >= LARGE_KEPT { self.header_at(off).links[0] } else { long_ago };
         if at != NONE && off + slot == at {
             // The block after begins at this one's end: it joins this one.
             let h = self.unlist(at, ORDERED);
@@ -1201,8 +1205,7 @@ impl ArenaRegion {
                 self.freed_since_scan = self.freed_since_scan.saturating_sub(pos - run_start);
                 return true;
             }
-            // Too small for this request: merge the run so later walks step over it at once,
-            // and list it where a large request may take it.
+            // Too small for this request: merge the run so later walks step over it at once.
             self.write_free_header(run_start, pos - run_start);
             largest = largest.max(pos - run_start);
         }
@@ -1542,6 +1545,31 @@ mod tests {
         free(&mut r, d);
         assert_ne!(take(&mut r, small).unwrap(), d);
         assert_eq!(take(&mut r, small_up), Some(d), "still free for its own class");
+        r.verify();
+    }
+
+    #[test]
+    fn a_block_under_large_kept_merged_back_keeps_no_large_block_whole() {
+        // A pinned block keeps the region from starting over at its rewinds.
+        const M: usize = 1 << 20;
+        let mut r = ArenaRegion::new(1, 7, 64 * M, Arc::new(HeapMemory), true).expect("a test region");
+        let _pin = take(&mut r, 1000).unwrap();
+        let x = take(&mut r, 12 * M).unwrap();
+        let _fence = take(&mut r, 1000).unwrap();
+        free(&mut r, x);
+        for _ in 0..LARGE_KEPT_FOR {
+            r.rewind();
+        }
+        // No longer kept whole: a smaller request takes its front, and freed, the front merges
+        // with the rest again.
+        let front = take(&mut r, 3 * M).unwrap();
+        assert_eq!(front, x);
+        free(&mut r, front);
+        r.verify();
+        // The merged block is not one freed whole now: the next smaller request takes it again
+        // rather than carving anew (a merge that counted as a large free would keep it whole,
+        // every cycle's frees into it for good).
+        assert_eq!(take(&mut r, 3 * M), Some(x));
         r.verify();
     }
 
