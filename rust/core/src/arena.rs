@@ -882,15 +882,8 @@ impl ArenaRegion {
         if prev != NONE {
             self.header_mut(prev).requested = off;
         }
-        if at != NONE {
-            self.header_mut(at).generation = off as u64;
-        }
-        let h = self.header_mut(off);
-        h.magic = MAGIC_LISTED;
-        h.region = epoch;
+        let h = self.link_listed(off, epoch, prev, at);
         h.slot = slot;
-        h.requested = at;
-        h.generation = prev as u64;
         h.links[0] = freed;
     }
 
@@ -987,14 +980,22 @@ impl ArenaRegion {
         l.heads[class] = off;
         l.nonempty.insert(class);
         l.bytes += slot;
-        if head != NONE {
-            self.header_mut(head).generation = off as u64;
+        self.link_listed(off, epoch, NONE, head);
+    }
+
+    /// Makes the header at `off` a listed one between `prev` and `next` (either NONE), linking
+    /// `next` back to it; the caller links `prev` (or the list's head) to it.
+    #[inline]
+    fn link_listed(&mut self, off: usize, epoch: u64, prev: usize, next: usize) -> &mut BlockHeader {
+        if next != NONE {
+            self.header_mut(next).generation = off as u64;
         }
         let h = self.header_mut(off);
         h.magic = MAGIC_LISTED;
         h.region = epoch;
-        h.requested = head;
-        h.generation = NONE as u64;
+        h.requested = next;
+        h.generation = prev as u64;
+        h
     }
 
     /// Takes the listed block at `off` (of class `class`) off its list; its header then says free,
