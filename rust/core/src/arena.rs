@@ -11,8 +11,8 @@
 //! free; when the hole is exhausted the allocator walks the header chain for the next run of freed
 //! blocks (listed or not), skipping blocks that are still live (pinned), and merges runs as it
 //! goes. Every operation is O(1) but the walk, which costs O(1) amortised per block freed, and the
-//! large blocks' list, walked over at most [`ORDERED_SCAN`] blocks. When nothing is live at a cycle end the region
-//! rewinds in O(1): this is the common case and it costs nothing. When blocks escape, later
+//! large blocks' list, walked over at most [`ORDERED_SCAN`] blocks. When nothing is live at a
+//! cycle end the region rewinds in O(1): this is the common case and it costs nothing. When blocks escape, later
 //! cycles allocate around them: memory is never handed out twice while a block lives.
 //!
 //! Blocks of 128 KiB and more start their data on a 4 KiB boundary (a free filler block goes in
@@ -78,10 +78,9 @@ const CLASS_SLACK: usize = 4;
 /// order, its neighbours merged as they are freed, from which a request takes a block of its class
 /// or the next one up (at most an eighth larger) wherever it lies, else the smallest block that
 /// holds it (best fit, the lowest of equals). Lists by class keep the blocks of each size apart:
-/// where the sizes
-/// of a loop's temporaries change from cycle to cycle (a table grown by a row, images of several
-/// shapes, state one class up from the last cycle's), each class's blocks keep places of their
-/// own around the state still live, and the region's whole room becomes resident.
+/// where the sizes of a loop's temporaries change from cycle to cycle (a table grown by a row,
+/// images of several shapes, state one class up from the last cycle's), each class's blocks keep
+/// places of their own around the state still live, and the region's whole room becomes resident.
 const ORDERED: usize = PAGE_ALIGNED_FROM;
 
 /// The smallest slot on the [`ORDERED`] list.
@@ -191,8 +190,8 @@ impl BlockHeader {
 /// The free lists of a region: one LIFO list per class below 128 KiB and one list in address
 /// order above (see [`ORDERED`]), doubly linked through the headers of the listed blocks
 /// (offsets), so that the walk can take a listed block out of its list in O(1) when it merges it
-/// into a run. Clearing them all is O(1): a new epoch makes every header listed
-/// under an older one an ordinary free header.
+/// into a run. Clearing them all is O(1): a new epoch makes every header listed under an older one
+/// an ordinary free header.
 #[derive(Debug)]
 struct FreeLists {
     /// Each class's most recently freed block, kept out of the list: a temporary freed and the
@@ -700,9 +699,8 @@ impl ArenaRegion {
 
     /// Hands out a block for a request of `requested` bytes of class `class` (slot `slot`,
     /// header included): below 128 KiB the class's most recently freed block (its hot slot, then
-    /// its list), from 128 KiB on the lowest listed block or the hole, whichever lies first and
-    /// holds it (see [`ORDERED`]); else from the hole, else a listed block a few classes larger,
-    /// else from a run found by the walk. Returns the data pointer, the block's slot, and the
+    /// its list), from 128 KiB on a listed block that holds it (see [`ORDERED`]); else from the
+    /// hole, else a listed block a few classes larger, else from a run found by the walk. Returns the data pointer, the block's slot, and the
     /// offset of its header.
     #[inline(always)]
     pub fn take(
@@ -878,8 +876,7 @@ impl ArenaRegion {
         if prev == NONE {
             l.heads[ORDERED] = off;
             l.nonempty.insert(ORDERED);
-        }
-        if prev != NONE {
+        } else {
             self.header_mut(prev).requested = off;
         }
         let h = self.link_listed(off, epoch, prev, at);
@@ -1055,7 +1052,8 @@ impl ArenaRegion {
     /// Hands a carved slot out: writes its live header and counts it.
     ///
     /// # Safety
-    /// `off` was just returned by [`ArenaRegion::carve`] for this same `slot`.
+    /// `[off, off + slot)` was just carved for this block (from the hole or a free block) and is
+    /// handed out once.
     #[inline]
     pub unsafe fn hand_out(&mut self, off: usize, slot: usize, requested: usize, generation: u64) -> NonNull<u8> {
         self.live_blocks += 1;
