@@ -700,8 +700,8 @@ impl ArenaRegion {
     /// Hands out a block for a request of `requested` bytes of class `class` (slot `slot`,
     /// header included): below 128 KiB the class's most recently freed block (its hot slot, then
     /// its list), from 128 KiB on a listed block that holds it (see [`ORDERED`]); else from the
-    /// hole, else a listed block a few classes larger, else from a run found by the walk. Returns the data pointer, the block's slot, and the
-    /// offset of its header.
+    /// hole, else a listed block a few classes larger, else from a run found by the walk. Returns
+    /// the data pointer, the block's slot, and the offset of its header.
     #[inline(always)]
     pub fn take(
         &mut self,
@@ -848,19 +848,11 @@ impl ArenaRegion {
         let mut freed = if slot >= LARGE_KEPT { self.header_at(off).links[0] } else { long_ago };
         if at != NONE && off + slot == at {
             // The block after begins at this one's end: it joins this one.
+            // Its header, now free, still names the block after it.
             let h = self.unlist(at, ORDERED);
             freed = freed.max(h.links[0]);
             slot += h.slot;
-            at = if prev == NONE {
-                let l = self.lists.as_deref().expect("lists");
-                if l.nonempty.contains(ORDERED) {
-                    l.heads[ORDERED]
-                } else {
-                    NONE
-                }
-            } else {
-                self.header_at(prev).requested
-            };
+            at = h.requested;
         }
         if prev != NONE && prev + self.header_at(prev).slot == off {
             // This one begins at the end of the block before: it joins that one.
