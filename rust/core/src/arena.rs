@@ -39,16 +39,6 @@ pub const HEADER: usize = 64;
 /// that freed memory is looked for before more is touched.
 const TAIL_GRANT: usize = 2 << 20;
 
-/// Free blocks from this size on, freed in the last [`LARGE_KEPT_FOR`] rewinds, are kept whole
-/// for requests of their size class (or for large ones): smaller requests neither merge them
-/// into runs nor carve them from the hole. A large temporary of a cycle that recurs every few
-/// cycles then finds its block again, rather than a new place past the small blocks that cut
-/// it up meanwhile (which keep the whole of it resident, around what they use).
-pub const LARGE_KEPT: usize = 8 << 20;
-
-/// Rewinds (cycle ends) a free block of [`LARGE_KEPT`] bytes or more is kept whole.
-pub const LARGE_KEPT_FOR: u64 = 64;
-
 /// Bytes from which a zeroed request carved from used memory is zeroed page by page as it is
 /// resident ([`ArenaRegion::zero_sparing`]) rather than written whole: a question to the system
 /// (a few microseconds) against a write of a megabyte or more.
@@ -85,6 +75,10 @@ const ORDERED: usize = PAGE_ALIGNED_FROM;
 
 /// The smallest slot on the [`ORDERED`] list.
 const ORDERED_MIN_SLOT: usize = PAGE_ALIGNED_SIZE + HEADER;
+
+/// Free blocks a block put on the [`ORDERED`] list absorbs at most on either side: the cost of a
+/// free stays bounded where many small free blocks lie around it.
+const MERGE_STEPS: usize = 8;
 
 /// Listed blocks the [`ORDERED`] list is walked over at most, to place a freed block or to find
 /// one for a request: the cost stays bounded where many large free blocks lie apart (a block then
@@ -146,8 +140,7 @@ pub struct BlockHeader {
     pub generation: u64,
     /// For a live block: in the first, the workspace's count of closed cycles when it was handed
     /// out ([`BlockHeader::stamp`]). For a cached block of its own: null and the next cached block
-    /// of its class. For a free arena block: the region's clock when it was freed (see
-    /// [`LARGE_KEPT`]).
+    /// of its class. Unused in a free arena block.
     pub links: [*mut u8; 2],
 }
 
@@ -227,13 +220,6 @@ impl FreeLists {
         self.epoch = self.epoch.wrapping_add(1);
         self.bytes = 0;
     }
-}
-
-/// What a free arena block's header keeps in its first link (which arena blocks use for nothing
-/// else): the region's clock when it was freed.
-#[inline(always)]
-fn freed_at(clock: u64) -> *mut u8 {
-    std::ptr::without_provenance_mut(clock as usize)
 }
 
 /// The class of a block by its slot; the slots of blocks carved are a class size plus a header.
@@ -354,15 +340,6 @@ pub struct ArenaRegion {
     prefaulted: usize,
     /// The LIFO free lists by class; None in a circular region.
     lists: Option<Box<FreeLists>>,
-    /// Rewinds so far (cycle ends): the clock by which free blocks say when they were freed.
-    clock: u64,
-    /// Bytes of the large free blocks kept whole that a fruitless walk stepped over, and the
-    /// clock at which the first of them stops being kept: counted as freed then, so that a walk
-    /// looks at them again (a fruitless walk counts what it found as looked at).
-    kept_skipped: (usize, u64),
-    /// Whether nothing was live at the last rewind (or there was none yet): the region started
-    /// over at its start.
-    started_over: bool,
     /// Whether the data of free blocks is poisoned for AddressSanitizer (host memory only).
     poisons: bool,
 }
@@ -437,9 +414,6 @@ impl ArenaRegion {
             dirty_end: 0,
             prefaulted: 0,
             lists,
-            clock: 0,
-            kept_skipped: (0, 0),
-            started_over: true,
             poisons: meta == data,
         };
         region.take_tail(0);
@@ -692,7 +666,7 @@ impl ArenaRegion {
                 slot,
                 requested: 0,
                 generation: 0,
-                links: [freed_at(self.clock), std::ptr::null_mut()],
+                links: [std::ptr::null_mut(); 2],
             })
         };
     }
@@ -773,14 +747,12 @@ impl ArenaRegion {
     /// Carves a block of page-aligned class `class` from a block on the [`ORDERED`] list: the
     /// first of its class or the next one up, else the smallest that holds it (the lowest of
     /// equals); its rest goes back on the list. None where no block within [`ORDERED_SCAN`] holds
-    /// it, or the smallest lies above a hole that holds it. A request below [`LARGE_KEPT`] passes
-    /// over the blocks kept whole (as the walk does).
+    /// it, or the smallest lies above a hole that holds it.
     fn best_fit(&mut self, class: usize, slot: usize) -> Option<usize> {
         let l = self.lists.as_deref()?;
         if !l.nonempty.contains(ORDERED) {
             return None;
         }
-        let small = slot < LARGE_KEPT;
         // A block of its class or one class up holds nothing else as well: it is taken first.
         let snug = if class + 1 < CLASSES { class_size(class + 1) + HEADER } else { slot };
         let (mut at, mut best, mut best_slot, mut snugly) = (l.heads[ORDERED], NONE, usize::MAX, false);
@@ -790,7 +762,7 @@ impl ArenaRegion {
             }
             let h = self.header_at(at);
             let pad = self.pad(class, at);
-            if h.slot >= pad + slot && !(small && self.kept_until(at).is_some()) {
+            if h.slot >= pad + slot {
                 if h.slot - pad <= snug {
                     (best, snugly) = (at, true);
                     break;
@@ -806,10 +778,7 @@ impl ArenaRegion {
             return None;
         }
         let at = best;
-        let (len, freed) = {
-            let h = self.unlist(at, ORDERED);
-            (h.slot, h.links[0])
-        };
+        let len = self.unlist(at, ORDERED).slot;
         let pad = self.pad(class, at);
         if pad > 0 {
             self.write_free_header(at, pad);
@@ -819,24 +788,93 @@ impl ArenaRegion {
         if rest > 0 {
             self.write_free_header(off + slot, rest);
             if rest >= ORDERED_MIN_SLOT {
-                self.header_mut(off + slot).links[0] = freed;
-                self.list_ordered(off + slot, rest);
+                // Not merged backwards: the block in front is the one being carved, whose header
+                // is written only as it is handed out.
+                self.list_ordered(off + slot, rest, false);
             }
         }
         Some(off)
     }
 
     /// Puts the free block at `off` (its header already says free) on the [`ORDERED`] list in
-    /// address order, merged with the listed blocks it adjoins (never while a walk is under way:
-    /// it could step onto a header merged away). Only a block freed whole at [`LARGE_KEPT`] bytes
-    /// or more is kept whole: a block under it is listed as freed long ago, and a merged block
-    /// takes the later time of the two. Blocks under [`LARGE_KEPT`] that merge past it would
-    /// otherwise make a block that every cycle's frees keep whole for good, and that smaller
-    /// requests never use.
+    /// address order, merged with the free memory around it: the free blocks after it (listed
+    /// or not, up to a live block, the hole or [`MERGE_STEPS`] blocks), and the listed block
+    /// before it where only free blocks lie between. Where it then reaches the hole, the hole
+    /// grows back over it instead. A large free run then lies on the list whole, where a request
+    /// finds it: runs left apart (by a small free block, or the filler in front of a large one)
+    /// hold no request as large as both, which then takes memory the cycle has not touched yet.
+    /// Never while a walk is under way: it could step onto a header merged away. `back`: merge
+    /// with the free memory before it too (the headers in front of `off` are all written).
     #[inline(never)]
-    fn list_ordered(&mut self, off: usize, mut slot: usize) {
-        let Some(l) = self.lists.as_deref() else { return };
-        let (mut prev, mut at) = (NONE, if l.nonempty.contains(ORDERED) { l.heads[ORDERED] } else { NONE });
+    fn list_ordered(&mut self, off: usize, slot: usize, back: bool) {
+        if self.lists.is_none() {
+            return;
+        }
+        let hole = self.hole_start();
+        let chain_end = if self.tail { self.cursor } else { self.top };
+        let mut end = off + slot;
+        for _ in 0..MERGE_STEPS {
+            if end == hole || end >= chain_end {
+                break;
+            }
+            let h = self.header_at(end);
+            if !self.plausible(end, h) || h.is_live() {
+                break;
+            }
+            let next = end + h.slot;
+            self.take_off(end);
+            end = next;
+        }
+        let prev = self.ordered_before(off);
+        let start = if back { self.free_back_to(prev, off) } else { off };
+        if end == hole {
+            // The hole grows back over the run.
+            if start != off {
+                self.unlist(start, ORDERED);
+            }
+            self.cursor = start;
+            return;
+        }
+        if start != off {
+            // It joins the listed block before, across the free blocks between.
+            let h = self.header_mut(start);
+            let grown = end - start - h.slot;
+            h.slot = end - start;
+            self.lists.as_deref_mut().expect("lists").bytes += grown;
+            return;
+        }
+        self.insert_after(prev, off, end - off);
+    }
+
+    /// Links the free block at `off` (its header says free and `slot` bytes, or is rewritten to)
+    /// into the [`ORDERED`] list in address order, merged with nothing.
+    fn insert_ordered(&mut self, off: usize, slot: usize) {
+        self.insert_after(self.ordered_before(off), off, slot);
+    }
+
+    /// As [`ArenaRegion::insert_ordered`], after the listed block `prev` (NONE: at the head).
+    fn insert_after(&mut self, prev: usize, off: usize, slot: usize) {
+        let Some(l) = self.lists.as_deref_mut() else { return };
+        let epoch = l.epoch;
+        l.bytes += slot;
+        let next = if prev != NONE {
+            let n = self.header_at(prev).requested;
+            self.header_mut(prev).requested = off;
+            n
+        } else {
+            let n = if l.nonempty.contains(ORDERED) { l.heads[ORDERED] } else { NONE };
+            l.heads[ORDERED] = off;
+            l.nonempty.insert(ORDERED);
+            n
+        };
+        self.link_listed(off, epoch, prev, next).slot = slot;
+    }
+
+    /// The last block on the [`ORDERED`] list that lies below `off` (within [`ORDERED_SCAN`]
+    /// blocks of its head), or NONE.
+    fn ordered_before(&self, off: usize) -> usize {
+        let Some(l) = self.lists.as_deref().filter(|l| l.nonempty.contains(ORDERED)) else { return NONE };
+        let (mut prev, mut at) = (NONE, l.heads[ORDERED]);
         for _ in 0..ORDERED_SCAN {
             if at == NONE || at > off {
                 break;
@@ -844,36 +882,67 @@ impl ArenaRegion {
             prev = at;
             at = self.header_at(at).requested;
         }
-        let long_ago = freed_at(self.clock.saturating_sub(LARGE_KEPT_FOR));
-        let mut freed = if slot >= LARGE_KEPT { self.header_at(off).links[0] } else { long_ago };
-        if at != NONE && off + slot == at {
-            // The block after begins at this one's end: it joins this one.
-            // Its header, now free, still names the block after it.
-            let h = self.unlist(at, ORDERED);
-            freed = freed.max(h.links[0]);
-            slot += h.slot;
-            at = h.requested;
-        }
-        if prev != NONE && prev + self.header_at(prev).slot == off {
-            // This one begins at the end of the block before: it joins that one.
-            let h = self.header_mut(prev);
-            h.slot += slot;
-            h.links[0] = h.links[0].max(freed);
-            self.lists.as_deref_mut().expect("lists").bytes += slot;
-            return;
-        }
-        let l = self.lists.as_deref_mut().expect("lists");
-        let epoch = l.epoch;
-        l.bytes += slot;
+        prev
+    }
+
+    /// Where the free memory that ends at `off` starts, taking it off its lists: the listed block
+    /// `prev` where at most [`MERGE_STEPS`] free blocks lie between its end and `off` (they are
+    /// taken off their lists, and `prev` stays listed), else `off`.
+    fn free_back_to(&mut self, prev: usize, off: usize) -> usize {
         if prev == NONE {
-            l.heads[ORDERED] = off;
-            l.nonempty.insert(ORDERED);
-        } else {
-            self.header_mut(prev).requested = off;
+            return off;
         }
-        let h = self.link_listed(off, epoch, prev, at);
-        h.slot = slot;
-        h.links[0] = freed;
+        let (hole, from) = (self.hole_start(), prev + self.header_at(prev).slot);
+        let mut pos = from;
+        for _ in 0..MERGE_STEPS {
+            if pos >= off || pos == hole {
+                break;
+            }
+            let h = self.header_at(pos);
+            if !self.plausible(pos, h) || h.is_live() {
+                return off;
+            }
+            pos += h.slot;
+        }
+        if pos != off {
+            return off;
+        }
+        let mut pos = from;
+        while pos < off {
+            let next = pos + self.header_at(pos).slot;
+            self.take_off(pos);
+            pos = next;
+        }
+        prev
+    }
+
+    /// Takes the free block at `pos` out of its list or hot slot, if it is in one (a merge
+    /// absorbs it); its header then says free.
+    fn take_off(&mut self, pos: usize) {
+        let h = self.header_at(pos);
+        let (slot, hot) = (h.slot, h.magic == MAGIC_HOT);
+        if self.is_listed(pos) {
+            self.unlist(pos, list_of(slot));
+        } else if hot {
+            let l = self.lists.as_deref_mut().expect("lists");
+            let c = slot_class(slot);
+            if l.hot[c] == pos {
+                l.hot[c] = NONE;
+                l.bytes -= slot;
+            }
+            self.header_mut(pos).magic = MAGIC_FREE;
+        }
+    }
+
+    /// Where the current hole starts, where it has no header there: the never-carved tail, or a
+    /// hole that is not empty; NONE otherwise.
+    #[inline]
+    fn hole_start(&self) -> usize {
+        if self.tail || self.cursor < self.limit {
+            self.cursor
+        } else {
+            NONE
+        }
     }
 
     /// Bytes to skip at `off` so that a block of class `class` carved there has its data on a
@@ -924,7 +993,7 @@ impl ArenaRegion {
     #[inline(always)]
     fn keep(&mut self, off: usize, slot: usize, class: usize) {
         if class >= ORDERED {
-            self.list_ordered(off, slot);
+            self.list_ordered(off, slot, true);
             return;
         }
         let Some(l) = self.lists.as_deref_mut() else { return };
@@ -1014,21 +1083,6 @@ impl ArenaRegion {
         h
     }
 
-    /// The clock at which the free block at `off` stops being kept whole, if it is now: a listed
-    /// block of at least [`LARGE_KEPT`] bytes freed fewer than [`LARGE_KEPT_FOR`] rewinds ago,
-    /// in a region that blocks kept live stopped from starting over at the last rewind (one that
-    /// started over empties its lists at the next: nothing is kept across it).
-    #[inline]
-    fn kept_until(&self, off: usize) -> Option<u64> {
-        if self.started_over {
-            return None;
-        }
-        let h = self.header_at(off);
-        let freed = h.links[0].addr() as u64;
-        let kept = h.slot >= LARGE_KEPT && self.is_listed(off);
-        (kept && self.clock.saturating_sub(freed) < LARGE_KEPT_FOR).then_some(freed + LARGE_KEPT_FOR)
-    }
-
     /// Whether the free header at `off` is on a list now (listed under the current epoch).
     fn is_listed(&self, off: usize) -> bool {
         let h = self.header_at(off);
@@ -1089,13 +1143,13 @@ impl ArenaRegion {
     /// The end of the run of freed blocks that starts at `pos` (at most the chain end), taking
     /// the listed ones off their lists (the run is merged); None when a header on the way is
     /// implausible.
-    fn free_run_end(&mut self, mut pos: usize, small: bool) -> Option<usize> {
+    fn free_run_end(&mut self, mut pos: usize) -> Option<usize> {
         while pos < self.top {
             let h = self.header_at(pos);
             if !self.plausible(pos, h) {
                 return None;
             }
-            if h.is_live() || (small && self.kept_until(pos).is_some()) {
+            if h.is_live() {
                 break;
             }
             let slot = h.slot;
@@ -1116,7 +1170,13 @@ impl ArenaRegion {
         self.flush_hot();
         let was_tail = self.tail;
         let resume = if was_tail { self.cursor } else { self.limit };
+        let rest = (self.cursor, self.limit - self.cursor);
         self.close_hole();
+        if !was_tail && rest.1 >= ORDERED_MIN_SLOT {
+            // What the hole leaves is a free run: large requests find it on the list. (Merged with
+            // nothing: the walk starts where it ends.)
+            self.insert_ordered(rest.0, rest.1);
+        }
         let start = resume.min(self.top).max(self.live_prefix);
         let mut pos = start;
         let mut wrapped = false;
@@ -1125,9 +1185,6 @@ impl ArenaRegion {
         let mut tail_fallback = false;
         // Whether every block from `live_prefix` to `pos` was live: the prefix then grows.
         let mut extending = pos == self.live_prefix;
-        let small = need < LARGE_KEPT;
-        // Large free blocks kept whole that the walk stepped over, and when the first expires.
-        let mut skipped = (0, u64::MAX);
         // The largest free run the walk passed over.
         let mut largest = 0;
         loop {
@@ -1135,7 +1192,6 @@ impl ArenaRegion {
                 if tail_fallback {
                     self.freed_since_scan = 0;
                     self.passed = largest;
-                    self.keep_skipped(skipped);
                     return self.take_tail(need);
                 }
                 break;
@@ -1173,14 +1229,8 @@ impl ArenaRegion {
                 continue;
             }
             extending = false;
-            if let Some(until) = small.then(|| self.kept_until(pos)).flatten() {
-                let slot = self.header_at(pos).slot;
-                skipped = (skipped.0 + slot, skipped.1.min(until));
-                pos += slot;
-                continue;
-            }
             let run_start = pos;
-            let Some(end) = self.free_run_end(pos, small) else { break };
+            let Some(end) = self.free_run_end(pos) else { break };
             pos = end;
             if pos >= self.top {
                 // The run reaches the chain end: it joins the never-carved tail.
@@ -1196,8 +1246,12 @@ impl ArenaRegion {
                 self.freed_since_scan = self.freed_since_scan.saturating_sub(pos - run_start);
                 return true;
             }
-            // Too small for this request: merge the run so later walks step over it at once.
+            // Too small for this request: merge the run so later walks step over it at once, and
+            // list it where a large request finds it.
             self.write_free_header(run_start, pos - run_start);
+            if pos - run_start >= ORDERED_MIN_SLOT {
+                self.insert_ordered(run_start, pos - run_start);
+            }
             largest = largest.max(pos - run_start);
         }
         // A walk that saw every run (it wrapped, or began at the front) leaves none unseen, and
@@ -1209,21 +1263,10 @@ impl ArenaRegion {
         } else {
             self.passed = self.passed.max(largest);
         }
-        self.keep_skipped(skipped);
         self.cursor = self.top;
         self.limit = self.top;
         self.tail = false;
         false
-    }
-
-    /// Notes the large free blocks a fruitless walk stepped over ([`ArenaRegion::kept_skipped`]);
-    /// a walk that met none (it did not wrap to them) leaves the note as it was, and an earlier
-    /// expiry noted stays. A note of blocks taken since only makes a walk come sooner.
-    fn keep_skipped(&mut self, skipped: (usize, u64)) {
-        if skipped.0 > 0 {
-            let earlier = if self.kept_skipped.0 > 0 { self.kept_skipped.1 } else { u64::MAX };
-            self.kept_skipped = (skipped.0, skipped.1.min(earlier));
-        }
     }
 
     /// Makes the never-carved tail `[top, capacity)` the current hole: up to the end of what
@@ -1253,7 +1296,6 @@ impl ArenaRegion {
         let (slot, class) = (h.slot, h.class as usize);
         self.live_blocks -= 1;
         h.magic = MAGIC_FREE;
-        h.links[0] = freed_at(self.clock);
         self.poison(off + HEADER, slot - HEADER);
         self.live_prefix = self.live_prefix.min(off);
         // Its memory was used: a zeroed request served from it must be written.
@@ -1262,29 +1304,40 @@ impl ArenaRegion {
             // The block ends where the hole begins (typically the last one carved): the hole
             // grows back over it, which needs no header inside the hole.
             self.cursor = off;
+            if class >= ORDERED {
+                self.hole_joins_back();
+            }
         } else {
             self.freed_since_scan += slot;
             self.keep(off, slot, class);
         }
     }
 
+    /// The hole grew back over a large block: the listed run before it (across free blocks)
+    /// joins it too, so that the cycle's next large requests carve there before further on.
+    #[cold]
+    #[inline(never)]
+    fn hole_joins_back(&mut self) {
+        if self.lists.is_none() {
+            return;
+        }
+        let prev = self.ordered_before(self.cursor);
+        let start = self.free_back_to(prev, self.cursor);
+        if start != self.cursor {
+            self.unlist(start, ORDERED);
+            self.cursor = start;
+        }
+    }
+
     /// Rewinds at a cycle end. With nothing live this is O(1); otherwise the next allocation
     /// walks from the start around the pinned blocks.
     pub fn rewind(&mut self) {
-        self.clock += 1;
-        self.started_over = self.live_blocks == 0;
-        if self.kept_skipped.0 > 0 && self.clock >= self.kept_skipped.1 {
-            // Large blocks a fruitless walk stepped over are kept whole no more: walks look again.
-            self.freed_since_scan += std::mem::take(&mut self.kept_skipped).0;
-        }
         if self.live_blocks == 0 {
             self.dirty_end = self.carved_end();
             self.top = 0;
             self.take_tail(0);
             self.freed_since_scan = 0;
             self.passed = 0;
-            // The lists empty: no block is kept whole any more.
-            self.kept_skipped = (0, 0);
             self.live_prefix = 0;
             if let Some(l) = self.lists.as_deref_mut() {
                 l.clear();
@@ -1398,7 +1451,6 @@ impl ArenaRegion {
     pub fn retire(&mut self) {
         self.freed_since_scan = 0;
         self.passed = 0;
-        self.kept_skipped = (0, 0);
         if let Some(l) = self.lists.as_deref_mut() {
             // Nothing is allocated here any more: listed blocks are plain free memory.
             l.clear();
@@ -1420,7 +1472,7 @@ impl ArenaRegion {
                 continue;
             }
             let run_start = pos;
-            let Some(end) = self.free_run_end(pos, false) else { return };
+            let Some(end) = self.free_run_end(pos) else { return };
             pos = end;
             if pos >= self.top {
                 self.top = run_start;
@@ -1540,28 +1592,171 @@ mod tests {
     }
 
     #[test]
-    fn a_block_under_large_kept_merged_back_keeps_no_large_block_whole() {
-        // A pinned block keeps the region from starting over at its rewinds.
-        const M: usize = 1 << 20;
-        let mut r = ArenaRegion::new(1, 7, 64 * M, Arc::new(HeapMemory), true).expect("a test region");
-        let _pin = take(&mut r, 1000).unwrap();
-        let x = take(&mut r, 12 * M).unwrap();
-        let _fence = take(&mut r, 1000).unwrap();
-        free(&mut r, x);
-        for _ in 0..LARGE_KEPT_FOR {
-            r.rewind();
+    fn a_freed_large_block_merges_across_the_free_blocks_around_it() {
+        let mut r = ArenaRegion::new(1, 7, 8 << 20, Arc::new(HeapMemory), true).expect("a test region");
+        // A large block, a small one, the filler that page-aligns the next large block, that
+        // block, and a live fence.
+        let a = take(&mut r, 256 << 10).unwrap();
+        let s = take(&mut r, 1000).unwrap();
+        let b = take(&mut r, 256 << 10).unwrap();
+        let fence = take(&mut r, 1000).unwrap();
+        let fence_at = fence.as_ptr() as usize - HEADER;
+        let a_at = a.as_ptr() as usize - HEADER;
+        // The small block goes to its hot slot; the large one after it takes it and the filler.
+        free(&mut r, s);
+        free(&mut r, a);
+        assert_eq!(r.listed_bytes(), b.as_ptr() as usize - HEADER - a_at, "the small block and the filler joined");
+        // The second large block joins the run before it, across nothing now.
+        free(&mut r, b);
+        assert_eq!(r.listed_bytes(), fence_at - a_at, "one run from the first block to the fence");
+        r.verify();
+        // A request as large as the whole run finds it, rather than memory not touched yet.
+        assert_eq!(take(&mut r, fence_at - a_at - HEADER - 4096), Some(a));
+        assert_eq!(r.listed_bytes(), 0);
+        // The small block was taken off its hot slot: its class carves anew.
+        assert_ne!(take(&mut r, 1000), Some(s));
+        r.verify();
+    }
+
+    #[test]
+    fn a_large_block_freed_against_the_hole_takes_the_run_before_it_along() {
+        let mut r = ArenaRegion::new(1, 7, 8 << 20, Arc::new(HeapMemory), true).expect("a test region");
+        let pin = take(&mut r, 1000).unwrap();
+        let a = take(&mut r, 256 << 10).unwrap();
+        let s = take(&mut r, 1000).unwrap();
+        let b = take(&mut r, 256 << 10).unwrap();
+        free(&mut r, s);
+        free(&mut r, a);
+        assert!(r.listed_bytes() > 0);
+        // The last block carved: the hole grows back over it, and over the listed run before it.
+        free(&mut r, b);
+        assert_eq!(r.listed_bytes(), 0, "nothing left listed");
+        assert_eq!(r.verify(), slot_for(1000).unwrap(), "the pin alone");
+        assert_eq!(take(&mut r, 512 << 10), Some(a), "carved where the first block was");
+        free(&mut r, pin);
+        r.verify();
+    }
+
+    #[test]
+    fn a_run_a_walk_passes_over_goes_on_the_large_list() {
+        // Two runs of three small free blocks between live fences, in a region whose tail is full:
+        // a request larger than either walks over both and is refused.
+        let small = 60 << 10;
+        let mut r = ArenaRegion::new(1, 7, 1 << 20, Arc::new(HeapMemory), true).expect("a test region");
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            let run: Vec<_> = (0..3).map(|_| take(&mut r, small).unwrap()).collect();
+            let _fence = take(&mut r, 1000).unwrap();
+            runs.push(run);
         }
-        // No longer kept whole: a smaller request takes its front, and freed, the front merges
-        // with the rest again.
-        let front = take(&mut r, 3 * M).unwrap();
-        assert_eq!(front, x);
-        free(&mut r, front);
+        while take(&mut r, 64 << 10).is_some() {}
+        while take(&mut r, 1000).is_some() {}
+        for p in runs.iter().flatten() {
+            free(&mut r, *p);
+        }
+        let run = 3 * slot_for(small).unwrap();
+        assert!(run >= ORDERED_MIN_SLOT);
+        assert_eq!(take(&mut r, run + 4096), None, "no run holds it");
+        // The walk merged each run and listed it, where a large request finds it at once.
+        assert_eq!(r.listed_bytes(), 2 * run, "both runs listed whole");
+        let p = take(&mut r, 128 << 10).expect("a listed run holds it").as_ptr() as usize;
+        let first = runs[0][0].as_ptr() as usize - HEADER;
+        assert!((first..first + run).contains(&p), "from the first run, at its front");
+        assert!(p - first < 4096 + HEADER, "at its front");
         r.verify();
-        // The merged block is not one freed whole now: the next smaller request takes it again
-        // rather than carving anew (a merge that counted as a large free would keep it whole,
-        // every cycle's frees into it for good).
-        assert_eq!(take(&mut r, 3 * M), Some(x));
+    }
+
+    #[test]
+    fn the_rest_of_a_cut_block_never_merges_back_over_the_block_carved() {
+        // The rest of a listed block cut for a request goes back on the list before the block
+        // carved from it has its header: merged backwards, it would read the bytes there (here the
+        // free header the same class left at that place) and grow over the block.
+        let mut r = ArenaRegion::new(1, 7, 954_368, Arc::new(HeapMemory), true).expect("a test region");
+        let _pin = take(&mut r, 1000).unwrap();
+        let b = take(&mut r, 512 << 10).unwrap();
+        let s = take(&mut r, 1000).unwrap();
+        let y = take(&mut r, 256 << 10).unwrap();
+        let u = take(&mut r, 1000).unwrap();
+        let t = take(&mut r, 128 << 10).unwrap();
+        let _fence = take(&mut r, 1000).unwrap();
+        for p in [b, y, t] {
+            free(&mut r, p);
+        }
+        // A walk makes the first large block's run the hole, for a request the tail cannot hold.
+        let _z = take(&mut r, 30_000).unwrap();
+        free(&mut r, s);
+        free(&mut r, u);
+        // A walk for a request nothing holds lists the hole's rest and the run from `s` on.
+        assert_eq!(take(&mut r, 600 << 10), None);
         r.verify();
+        let y2 = take(&mut r, 256 << 10).unwrap();
+        assert_eq!(y2, y, "cut from the run, after a filler, where the same class lay before");
+        r.verify();
+        if let Some(w) = take(&mut r, 600 << 10) {
+            let (w, y2) = (w.as_ptr() as usize, y2.as_ptr() as usize);
+            assert!(w + (600 << 10) + HEADER <= y2 || y2 + (256 << 10) + HEADER <= w, "memory handed out twice");
+        }
+        r.verify();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "hundreds of thousands of steps")]
+    fn random_takes_frees_and_rewinds_keep_blocks_disjoint_intact_and_the_chain_whole() {
+        // Small, medium and large requests freed in random order, with rewinds while blocks live,
+        // in regions small enough that walks, merges, the hole growing back and refusals are
+        // frequent. After every step the chain verifies; blocks never overlap and keep their
+        // bytes.
+        for seed in 1..=60u64 {
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut next = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            let cap = [2 << 20, 6 << 20, 16 << 20][seed as usize % 3];
+            let mut r = ArenaRegion::new(1, 7, cap, Arc::new(HeapMemory), true).expect("a test region");
+            let mut live: Vec<(usize, usize, u8)> = Vec::new();
+            for step in 0..1500 {
+                match next() % 16 {
+                    0..=7 => {
+                        let size = match next() % 4 {
+                            0 => 64 + next() % 4000,
+                            1 => 4096 + next() % 126_000,
+                            2 => (128 << 10) + next() % (384 << 10),
+                            _ => (512 << 10) + next() % (1 << 20),
+                        } as usize;
+                        if let Some(p) = take(&mut r, size) {
+                            let tag = (next() % 255 + 1) as u8;
+                            // SAFETY: `size` bytes at `p` were just handed out.
+                            unsafe { std::ptr::write_bytes(p.as_ptr(), tag, size) };
+                            live.push((p.as_ptr() as usize, size, tag));
+                        }
+                    }
+                    8..=14 if !live.is_empty() => {
+                        let (p, size, tag) = live.swap_remove((next() % live.len() as u64) as usize);
+                        // SAFETY: a live block of `size` bytes.
+                        let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, size) };
+                        assert!(bytes.iter().all(|&b| b == tag), "seed {seed} step {step}: a block changed");
+                        free(&mut r, NonNull::new(p as *mut u8).unwrap());
+                    }
+                    _ => r.rewind(),
+                }
+                let slots: usize = live
+                    .iter()
+                    .map(|&(p, _, _)| {
+                        let h = r.header_at_data(NonNull::new(p as *mut u8).unwrap()).expect("a block of the region");
+                        // SAFETY: the header of a live block of `r`.
+                        unsafe { h.as_ref().slot }
+                    })
+                    .sum();
+                assert_eq!(r.verify(), slots, "seed {seed} step {step}: the live slots");
+                live.sort_unstable();
+                for w in live.windows(2) {
+                    assert!(w[0].0 + w[0].1 + HEADER <= w[1].0, "seed {seed} step {step}: blocks overlap");
+                }
+            }
+        }
     }
 
     #[test]
@@ -1651,60 +1846,5 @@ mod tests {
             }
             assert_eq!(r.verify(), 0);
         }
-    }
-
-    #[test]
-    fn a_large_free_block_stays_whole_for_its_size_a_while() {
-        let (big, small) = (LARGE_KEPT, 100 << 10);
-        // A region holding a large block, then small ones kept live up to its end.
-        let setup = || {
-            let cap = (slot_for(big).unwrap() + 4 * slot_for(small).unwrap()).next_multiple_of(BLOCK_ALIGN);
-            let mut r = ArenaRegion::new(1, 7, cap, Arc::new(HeapMemory), true).expect("a test region");
-            let b = take(&mut r, big).unwrap();
-            let kept: Vec<_> = std::iter::from_fn(|| take(&mut r, small)).collect();
-            assert!(!kept.is_empty());
-            (r, b, kept)
-        };
-        // The run it lies in starts with the filler that page-aligns its data.
-        let inside = |p: NonNull<u8>, b: NonNull<u8>| {
-            let (at, from) = (p.as_ptr() as usize, b.as_ptr() as usize - LARGE_DATA_ALIGN);
-            at >= from && at < from + big
-        };
-        let done = |mut r: ArenaRegion, kept: Vec<NonNull<u8>>, p: NonNull<u8>| {
-            for q in kept.into_iter().chain([p]) {
-                free(&mut r, q);
-            }
-            assert_eq!(r.verify(), 0);
-        };
-
-        // In a region that started over at the last rewind, smaller requests use it: its lists
-        // empty at the next.
-        let (mut r, b, kept) = setup();
-        free(&mut r, b);
-        let p = take(&mut r, small).expect("nothing kept across a start over: it serves smaller requests");
-        assert!(inside(p, b));
-        done(r, kept, p);
-
-        // Where blocks kept live stopped the region from starting over, it is kept for its size.
-        let (mut r, b, kept) = setup();
-        r.rewind();
-        free(&mut r, b);
-        assert_eq!(take(&mut r, small), None, "a smaller request does not cut up the large free block");
-        assert_eq!(take(&mut r, big), Some(b), "its size finds it whole");
-        done(r, kept, b);
-
-        // Until it has gone unused that long: a walk that found nothing looks at it again then.
-        let (mut r, b, kept) = setup();
-        r.rewind();
-        free(&mut r, b);
-        for _ in 1..LARGE_KEPT_FOR {
-            r.rewind();
-            assert_eq!(take(&mut r, small), None);
-            r.verify();
-        }
-        r.rewind();
-        let p = take(&mut r, small).expect("unused that long, it serves smaller requests");
-        assert!(inside(p, b), "from the large block's memory");
-        done(r, kept, p);
     }
 }
