@@ -924,11 +924,12 @@ impl ArenaRegion {
         if self.is_listed(pos) {
             self.unlist(pos, list_of(slot));
         } else if hot {
-            let l = self.lists.as_deref_mut().expect("lists");
-            let c = slot_class(slot);
-            if l.hot[c] == pos {
-                l.hot[c] = NONE;
-                l.bytes -= slot;
+            if let Some(l) = self.lists.as_deref_mut() {
+                let c = slot_class(slot);
+                if l.hot[c] == pos {
+                    l.hot[c] = NONE;
+                    l.bytes -= slot;
+                }
             }
             self.header_mut(pos).magic = MAGIC_FREE;
         }
@@ -1153,9 +1154,7 @@ impl ArenaRegion {
                 break;
             }
             let slot = h.slot;
-            if self.is_listed(pos) {
-                self.unlist(pos, list_of(slot));
-            }
+            self.take_off(pos);
             pos += slot;
         }
         Some(pos)
