@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import sys
 import threading
 import warnings
@@ -316,9 +315,11 @@ class Workspace(_rustws.WorkspaceCore):
         open; nothing to install where it captures here already); a refusal raises
         ``WorkspaceOutOfMemory`` with the workspace's reason."""
         self._check_alive()
-        previous = None if self._captures_here() else _rustws.set_handler(self.handler)
         try:
-            return make(*args, **kwargs)
+            if self._captures_here():
+                return make(*args, **kwargs)
+            # The bindings switch the handler and back around the call in one step.
+            return _rustws.call_with_handler(self.handler, make, args, kwargs)
         except MemoryError as e:
             if isinstance(e, WorkspaceOutOfMemory):
                 raise
@@ -326,9 +327,6 @@ class Workspace(_rustws.WorkspaceCore):
             if not refusals:
                 raise
             raise refusals[-1] from None
-        finally:
-            if previous is not None:
-                _rustws.set_handler(previous)
 
     def full(
         self, shape: ShapeLike, fill_value: ArrayLike, dtype: DTypeLike | None = None, order: OrderCF = "C"
@@ -671,40 +669,16 @@ def workspace(
 # thread's page faults while a cycle opens), so only workspaces whose records someone reads pay for
 # them: ``rustws.workspace()`` gives a workspace the observing class below when the logger is
 # enabled for INFO, and an observed workspace drops it again at a cycle end once the logger is not.
-# An unobserved cycle runs exactly the bindings' ``__enter__`` / ``__exit__``.
-
-
-def _thread_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+# Observed or not, a cycle runs exactly the bindings' ``__enter__`` / ``__exit__``.
 
 
 class _CycleObserver:
-    """Mixed in front of a workspace class: logs what each outermost cycle did."""
+    """Mixed in front of a workspace class: logs what each outermost cycle did. It adds no Python
+    to entering or leaving a scope (an exception raised between a cycle's opening and its `with`
+    block would leave the cycle open): the bindings count the page faults of an opening and report
+    every exit through ``_after_cycle``."""
 
     __slots__ = ()
-
-    def __enter__(self) -> Any:
-        ws: Any = self
-        if ws.is_open:
-            return super().__enter__()  # type: ignore[misc]
-        before = _thread_faults()
-        entered = super().__enter__()  # type: ignore[misc]
-        faults = _thread_faults() - before
-        if faults and _log.enabled(_log.DEBUG):
-            _log.logger().debug(
-                "workspace %r: %d page faults while opening cycle %d (the arena's learned part is "
-                "pre-faulted)",
-                ws.name,
-                faults,
-                ws.generation,
-            )
-        return entered
-
-    def __exit__(self, *exc: Any) -> Any:
-        # The exit runs through a frame of this class as the entry does: an exit from another
-        # thread (a generator finalised there) is its owner's where the frame that called
-        # `__enter__` calls it (see `ScopeState::entered_in` in the bindings).
-        return super().__exit__(*exc)  # type: ignore[misc]
 
     def _after_cycle(
         self, leaked: bool, escaped_blocks: int, escaped_bytes: int, completed: bool = False
@@ -748,8 +722,17 @@ def _after_observed_cycle(ws: Any) -> None:
     cycle, allocations, spills, peak, before, after, pinned = ws._last_cycle()
     changed = before != after
     logger = _log.logger()
+    faults, opened = ws._opening_faults()
     if logger.isEnabledFor(_log.DEBUG):
         name = ws.name
+        if faults:
+            logger.debug(
+                "workspace %r: %d page faults while opening cycle %d (the arena's learned part is "
+                "pre-faulted)",
+                name,
+                faults,
+                opened,
+            )
         if changed:
             if before == 0:
                 what = f"mapped an arena of {_fmt_bytes(after)}"
@@ -864,12 +847,13 @@ def detach(a: ArrayLike | _rustws.DeviceArray) -> NDArray[Any]: ...
 def detach(a: Any) -> Any:
     """An independent copy of ``a`` in ordinary memory (also inside a capturing cycle), of its
     ndarray subclass."""
-    previous = _rustws.set_handler(None)
-    try:
-        src = a if isinstance(a, (np.ndarray, _rustws.DeviceArray)) else _as_ndarray(a)
-        return np.array(src, copy=True, subok=True)
-    finally:
-        _rustws.set_handler(previous)
+    # NumPy's default allocator for the copy, switched to and back in one step by the bindings.
+    return _rustws.call_with_handler(None, _detached_copy, (a,))
+
+
+def _detached_copy(a: Any) -> Any:
+    src = a if isinstance(a, (np.ndarray, _rustws.DeviceArray)) else _as_ndarray(a)
+    return np.array(src, copy=True, subok=True)
 
 
 @overload

@@ -5,7 +5,9 @@ scope exited in any order."""
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import rustws
 from rustws import WorkspaceConfiguration, _rustws
+from rustws._workspace import _CycleObserver
 
 MiB = 1 << 20
 
@@ -53,6 +56,47 @@ def test_a_generator_finalised_under_another_scope_leaves_nothing_open():
     assert rustws.current_workspace() is None
     assert _rustws.effective_handler() is default
     assert rustws.owner(np.ones(5) * 2) is None  # `a` captures nothing any more
+
+
+def test_a_generator_nested_in_the_same_workspace_closed_on_another_thread_leaves_nothing_open():
+    # The generator's `with` nests in the outer `with` of the same workspace; the outer block ends
+    # first (its cycle with it, the generator's level with the cycle), and the generator is closed
+    # on another thread: its exit only unwinds, and nothing stays open or capturing.
+    ws = rustws.workspace("GEN-NESTED", cfg())
+    default = _rustws.get_handler()
+
+    def produce():
+        with ws:
+            yield np.arange(1000.0)
+
+    def loop():
+        yield from ws.cycles(range(3))
+
+    with pytest.warns(ResourceWarning, match="'GEN-NESTED' exited while"), ws:
+        g, h = produce(), loop()
+        kept = next(g)
+        next(h)
+    assert ws.stats().cycles == 1  # the outer block's cycle ended with it
+    errors = []
+
+    def close():
+        for gen in (g, h):
+            try:
+                gen.close()
+            except BaseException as e:
+                errors.append(e)
+
+    t = threading.Thread(target=close)
+    t.start()
+    t.join()
+    assert errors == []
+    assert not ws.is_open and ws.depth == 0
+    assert rustws.current_workspace() is None and rustws.owner(np.ones(1 << 16)) is None
+    assert _rustws.effective_handler() is default
+    assert np.array_equal(kept, np.arange(1000.0))
+    with ws:
+        assert rustws.owner(np.ones(1 << 16)) is ws
+    assert not ws.is_open
 
 
 def test_unlinking_a_scope_fixes_the_handler_the_scopes_above_restore():
@@ -138,6 +182,73 @@ def test_an_exception_anywhere_in_a_cycle_leaves_no_scope():
     ws = rustws.workspace("ATOMIC-CYCLE", cfg())
     assert _interrupt_at_every_line(lambda: ws) == []
     assert not ws.is_open and ws.depth == 0
+
+
+def test_an_exception_anywhere_in_an_observed_cycle_leaves_no_scope(caplog):
+    # With the rustws logger at DEBUG a workspace's cycles are logged (observed), the page faults
+    # of each opening too; no Python runs between the bindings' opening and the `with` block,
+    # where an exception (a logging filter's, a Ctrl-C) would leave the cycle open.
+    with caplog.at_level(logging.DEBUG, logger="rustws"):
+        ws = rustws.workspace("ATOMIC-OBSERVED", cfg())
+        assert isinstance(ws, _CycleObserver)
+        assert type(ws).__enter__ is _rustws.WorkspaceCore.__enter__
+        assert type(ws).__exit__ is _rustws.WorkspaceCore.__exit__
+        assert _interrupt_at_every_line(lambda: ws) == []
+        assert not ws.is_open and ws.depth == 0
+        with ws:
+            np.ones(1 << 16)
+    assert ws.stats().cycles > 0
+
+
+def _interrupt_at_every_line_of(call) -> int:
+    """Runs ``call()`` once per Python line it executes, raising ``KeyboardInterrupt`` at that
+    line, and checks after each run that the workspace current here and NumPy's handler are what
+    they were before; returns the runs made."""
+    before = (_rustws.current_workspace(), _rustws.effective_handler())
+    for n in range(1, 400):
+        count = 0
+
+        def tracer(frame, event, arg, n=n):
+            nonlocal count
+            if event == "line":
+                count += 1
+                if count == n:
+                    raise KeyboardInterrupt
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            call()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        after = (_rustws.current_workspace(), _rustws.effective_handler())
+        assert after[0] is before[0] and after[1] is before[1], f"interrupted at line {n}"
+        if count < n:  # ran to its end: no line left to interrupt
+            return n
+    raise AssertionError("the call never ran to its end")
+
+
+def test_an_exception_anywhere_in_numpy_made_arrays_or_detach_leaves_the_handler_as_it_was():
+    # `ws.asarray`, `*_like` of a subclass and `detach` run NumPy with a handler of their choice
+    # for the call: the bindings switch it and back in one step, so an exception at any line
+    # (a signal handler's `KeyboardInterrupt`) cannot leave it switched.
+    ws = rustws.workspace("ATOMIC-HANDLER", cfg())
+
+    class Sub(np.ndarray):
+        pass
+
+    sub, kept = np.arange(64.0).view(Sub), np.arange(64.0)
+    calls = (lambda: ws.asarray([1.0, 2.0]), lambda: ws.full_like(sub, 2.0), lambda: rustws.detach(kept))
+    assert all(_interrupt_at_every_line_of(call) > 1 for call in calls)
+    # Inside a cycle opened and closed by calls from frames of their own (a setup and a teardown).
+    ws.__enter__()
+    assert all(_interrupt_at_every_line_of(call) > 1 for call in calls)
+    assert rustws.owner(rustws.detach(kept)) is None and rustws.owner(ws.asarray([1.0, 2.0])) is ws
+    ws.__exit__(None, None, None)
+    assert not ws.is_open and rustws.current_workspace() is None
+    assert rustws.owner(np.ones(1 << 16)) is None
 
 
 def test_borrow_and_scope_out_nest_and_restore():

@@ -36,7 +36,7 @@ mod workspace;
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 use rustws_core::{
     AllocationPolicy, DebugMode, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy, Workspace,
 };
@@ -88,6 +88,34 @@ fn set_handler<'py>(py: Python<'py>, handler: Option<&Bound<'py, PyAny>>) -> PyR
         }
     }
     handler::set_handler(py, handler)
+}
+
+/// Calls `make(*args, **kwargs)` with `handler` (a `mem_handler` capsule, or None for NumPy's
+/// default) current in this context, and the previous one current again after, however the call
+/// ends: one step for Python, so that no exception (a `KeyboardInterrupt` included, which lands
+/// between bytecodes) can leave the handler switched, as it could between a `set_handler` and the
+/// `try` that restores it.
+#[pyfunction]
+#[pyo3(signature = (handler, make, args, kwargs=None))]
+fn call_with_handler<'py>(
+    py: Python<'py>,
+    handler: Option<&Bound<'py, PyAny>>,
+    make: &Bound<'py, PyAny>,
+    args: &Bound<'py, PyTuple>,
+    kwargs: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    if let Some(h) = handler {
+        if !h.is_instance_of::<pyo3::types::PyCapsule>() {
+            return Err(PyTypeError::new_err("handler must be a mem_handler capsule or None"));
+        }
+    }
+    let previous = handler::set_handler(py, handler)?;
+    let made = make.call(args, kwargs);
+    // The call's own error comes first; a failed restore is reported where the call succeeded.
+    let restored = handler::set_handler(py, Some(&previous));
+    let made = made?;
+    restored?;
+    Ok(made)
 }
 
 /// The handler current in this context.
@@ -231,6 +259,7 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_config, m)?)?;
     m.add_function(wrap_pyfunction!(env_debug_mode, m)?)?;
     m.add_function(wrap_pyfunction!(set_handler, m)?)?;
+    m.add_function(wrap_pyfunction!(call_with_handler, m)?)?;
     m.add_function(wrap_pyfunction!(get_handler, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_probe, m)?)?;

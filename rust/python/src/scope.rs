@@ -578,6 +578,31 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     let matches = |node: &Node<'_, '_>| {
         node.key_is(key) && node.is_here() && state.map_or(!node.data.state.held, |s| Arc::ptr_eq(s, &node.data.state))
     };
+    // A `with`'s exit is the innermost scope's, unless a suspended generator or coroutine entered
+    // that one and the frame running this exit entered one below it: a generator suspended in a
+    // nested `with` of the same workspace while the outer `with` ends. The outer scope is then
+    // this exit's (its cycle ends with its block, the level above it with the cycle), not the
+    // generator's, whose exit would otherwise find only the outer scope left, entered by a frame
+    // not its own. (A suspended generator keeps its frame alive: its address names no other.)
+    let innermost = if state.is_none() { innermost_matching(&top, &matches) } else { None };
+    let generator = innermost.as_ref().and_then(as_node).is_some_and(|n| n.data.state.entered_by_generator());
+    let exiting = if generator { crate::shared::caller_frames::<1>() } else { [0] };
+    let entered_by_exit = |node: &Node<'_, '_>| exiting[0] != 0 && node.data.state.entered_in(&exiting, false);
+    let by_frame = match innermost.as_ref().and_then(as_node) {
+        Some(node) if generator && !entered_by_exit(&node) => {
+            let mut cursor = node.below();
+            loop {
+                let Some(below) = as_node(&cursor) else { break false };
+                if matches(&below) && entered_by_exit(&below) {
+                    break true;
+                }
+                let next = below.below();
+                cursor = next;
+            }
+        }
+        _ => false,
+    };
+    let matches = |node: &Node<'_, '_>| matches(node) && (!by_frame || entered_by_exit(node));
     if let Some(node) = as_node(&top) {
         if matches(&node) {
             node.data.state.close();
@@ -632,6 +657,22 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     match above.first().and_then(as_node) {
         Some(n) => Ok(Popped::Unlinked(popped, describe(&n.owner()), orphans)),
         None => Ok(Popped::Innermost(popped)),
+    }
+}
+
+/// The innermost node from `top` down for which `matches` holds.
+fn innermost_matching<'py>(
+    top: &Bound<'py, PyAny>,
+    matches: &impl Fn(&Node<'_, '_>) -> bool,
+) -> Option<Bound<'py, PyAny>> {
+    let mut cursor = top.clone();
+    loop {
+        let node = as_node(&cursor)?;
+        if matches(&node) {
+            return Some(cursor.clone());
+        }
+        let next = node.below();
+        cursor = next;
     }
 }
 

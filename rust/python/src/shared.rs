@@ -8,7 +8,7 @@ use std::cell::{RefCell, UnsafeCell};
 use std::ffi::{c_char, c_void};
 use std::mem::ManuallyDrop;
 use std::ptr::{null_mut, NonNull};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::ffi;
@@ -35,6 +35,10 @@ pub struct Shared {
     /// Whether the Python layer logs every cycle (the `rustws` logger at INFO): each exit then
     /// reports through `_after_cycle`, the loop form's cycles too.
     pub observed: AtomicBool,
+    /// While observed: the page faults of this thread while the last outermost cycle opened (the
+    /// arena's learned part pre-faulted), and that cycle's number, for the cycle's log; taken by
+    /// `_opening_faults` (0 faults: none to report).
+    pub opening_faults: [AtomicU64; 2],
     /// Whether the CPU can touch the workspace's memory: NumPy may allocate from it only then.
     pub host_accessible: bool,
     /// Captured requests smaller than this are served by NumPy's own allocator
@@ -85,6 +89,7 @@ impl Shared {
             failures: Mutex::new(Vec::new()),
             has_failures: AtomicBool::new(false),
             observed: AtomicBool::new(false),
+            opening_faults: [AtomicU64::new(0), AtomicU64::new(0)],
             host_accessible,
         }
     }
@@ -263,6 +268,9 @@ pub(crate) struct ScopeState {
     /// generator or coroutine finalised on another thread runs its exit in that frame, or in a
     /// wrapper's frame called from it where a wrapper entered it: `ExitStack.enter_context`).
     frames: [AtomicUsize; 2],
+    /// Whether a generator's or coroutine's frame entered it: its frame stays alive while it is
+    /// suspended, and its exit may run anywhere, or never before an outer scope's.
+    generator: AtomicBool,
     /// A level nested in a cycle that ended under it (the cycle's scope unlinked while this one,
     /// above it, was still open): the level ended with the cycle, and its exit only unwinds.
     orphaned: AtomicBool,
@@ -280,6 +288,7 @@ impl ScopeState {
             task,
             context: AtomicUsize::new(0),
             frames: caller_frames::<2>().map(AtomicUsize::new),
+            generator: AtomicBool::new(in_generator()),
             orphaned: AtomicBool::new(false),
             held,
         })
@@ -292,6 +301,11 @@ impl ScopeState {
 
     pub fn is_orphaned(&self) -> bool {
         self.orphaned.load(Ordering::Relaxed)
+    }
+
+    /// Whether a generator's or coroutine's frame entered it (see `generator`).
+    pub fn entered_by_generator(&self) -> bool {
+        self.generator.load(Ordering::Relaxed)
     }
 
     pub fn opened_cycle(&self) -> bool {
@@ -348,6 +362,7 @@ impl ScopeState {
         for (at, f) in self.frames.iter().zip(caller_frames::<2>()) {
             at.store(f, Ordering::Relaxed);
         }
+        self.generator.store(in_generator(), Ordering::Relaxed);
         self.open.store(true, Ordering::Relaxed);
         self.mark_context();
     }
@@ -540,10 +555,30 @@ pub(crate) fn caller_frames<const N: usize>() -> [usize; N] {
     out
 }
 
+/// Whether the innermost Python frame of this thread is a generator's or a coroutine's.
+pub(crate) fn in_generator() -> bool {
+    // SAFETY: the GIL is held by every caller (scopes are entered from Python); the frame is
+    // borrowed, the generator a new reference (or null, with no exception set) dropped at once.
+    unsafe {
+        let f = ffi::PyEval_GetFrame();
+        if f.is_null() {
+            return false;
+        }
+        let g = PyFrame_GetGenerator(f);
+        if g.is_null() {
+            return false;
+        }
+        ffi::Py_DECREF(g);
+        true
+    }
+}
+
 extern "C" {
     // Public C API since CPython 3.9, exported by every CPython build, but outside the limited
     // API's headers.
     fn PyFrame_GetBack(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyFrameObject;
+    // Public C API since CPython 3.11 (this extension's oldest), likewise outside them.
+    fn PyFrame_GetGenerator(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyObject;
 }
 
 /// The Python identity of the calling thread.

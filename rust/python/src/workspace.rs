@@ -321,7 +321,20 @@ impl WorkspaceCore {
     /// this thread and task it nests; beside one of another task or thread, it is a cycle of its
     /// own.
     fn __enter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
-        slf.get().enter_with(slf.py(), slf.as_any())?;
+        let me = slf.get();
+        // Observed, an outermost cycle's opening counts its page faults for the cycle's log, here
+        // rather than in a Python `__enter__` around this one: Python code between the cycle's
+        // opening and the `with` block could raise (a `KeyboardInterrupt`), and a `with` whose
+        // `__enter__` raises never exits.
+        let counted = me.shared.observed.load(Ordering::Relaxed) && !me.shared.lock().is_open();
+        let before = if counted { thread_faults() } else { 0 };
+        me.enter_with(slf.py(), slf.as_any())?;
+        if counted {
+            let faults = thread_faults().saturating_sub(before);
+            let cycle = me.shared.lock().generation();
+            me.shared.opening_faults[0].store(faults, Ordering::Relaxed);
+            me.shared.opening_faults[1].store(cycle, Ordering::Relaxed);
+        }
         Ok(slf.clone())
     }
 
@@ -372,6 +385,13 @@ impl WorkspaceCore {
     /// Whether every exit reports through `_after_cycle` (the Python layer's cycle log).
     fn _observe(&self, on: bool) {
         self.shared.observed.store(on, Ordering::Relaxed);
+    }
+
+    /// The page faults of the thread while the last observed outermost cycle opened, and that
+    /// cycle's number; (0, 0) once taken, or where none were counted.
+    fn _opening_faults(&self) -> (u64, u64) {
+        let faults = self.shared.opening_faults[0].swap(0, Ordering::Relaxed);
+        (faults, if faults > 0 { self.shared.opening_faults[1].load(Ordering::Relaxed) } else { 0 })
     }
 
     /// Raises `WorkspaceClosedError` once the workspace is destroyed.
@@ -523,4 +543,16 @@ impl WorkspaceCore {
             self.shared.name, s.cycles, s.capacity_bytes, s.used_bytes
         )
     }
+}
+
+/// Minor page faults of the calling thread so far (0 where the system does not say).
+fn thread_faults() -> u64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `getrusage` writes a `rusage` into the memory given, which is one.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, usage.as_mut_ptr()) };
+    if rc != 0 {
+        return 0;
+    }
+    // SAFETY: written by the call above, which succeeded (and zeroed before it).
+    u64::try_from(unsafe { usage.assume_init() }.ru_minflt).unwrap_or(0)
 }
