@@ -65,9 +65,9 @@ pub const NO_CLASS: u16 = u16::MAX;
 const CLASS_SLACK: usize = 4;
 
 /// The free list of every block of a page-aligned class (128 KiB and more): one list in address
-/// order, its neighbours merged as they are freed, from which a request takes a block of its class
-/// or the next one up (at most an eighth larger) wherever it lies, else the smallest block that
-/// holds it (best fit, the lowest of equals). Lists by class keep the blocks of each size apart:
+/// order, its neighbours merged as they are freed, from which a request takes the lowest block at
+/// most an eighth larger than itself (of its class, the next one up, or a merged run of about that
+/// size), else the smallest block that holds it (best fit, the lowest of equals). Lists by class keep the blocks of each size apart:
 /// where the sizes of a loop's temporaries change from cycle to cycle (a table grown by a row,
 /// images of several shapes, state one class up from the last cycle's), each class's blocks keep
 /// places of their own around the state still live, and the region's whole room becomes resident.
@@ -753,8 +753,9 @@ impl ArenaRegion {
         if !l.nonempty.contains(ORDERED) {
             return None;
         }
-        // A block of its class or one class up holds nothing else as well: it is taken first.
-        let snug = if class + 1 < CLASSES { class_size(class + 1) + HEADER } else { slot };
+        // A block at most an eighth larger than the request (its class or the next one up, or a
+        // merged run of about that size) holds nothing else as well: it is taken first.
+        let snug = slot + slot / 8;
         let (mut at, mut best, mut best_slot, mut snugly) = (l.heads[ORDERED], NONE, usize::MAX, false);
         for _ in 0..ORDERED_SCAN {
             if at == NONE {
@@ -1547,6 +1548,28 @@ mod tests {
             r.rewind();
             assert_eq!(take(&mut r, 1000), Some(a), "lists {lists}: a rewound region starts at its base");
         }
+    }
+
+    #[test]
+    fn a_merged_run_at_most_an_eighth_larger_is_snug_as_a_block_of_the_next_class_up() {
+        let mut r = ArenaRegion::new(1, 7, 8 << 20, Arc::new(HeapMemory), true).expect("a test region");
+        let slot = |size| class_size(class_of(size).unwrap()) + HEADER;
+        // A 208 KiB block and the 16 KiB block after it, freed: one run of 224 KiB and two
+        // headers, more than a block of the next class up (224 KiB and one header) and under an
+        // eighth more than a 208 KiB request. A 208 KiB block lies free higher up.
+        let low = take(&mut r, 200 << 10).unwrap();
+        let small = take(&mut r, 16 << 10).unwrap();
+        let _fence = take(&mut r, 1000).unwrap();
+        let high = take(&mut r, 200 << 10).unwrap();
+        let _fence = take(&mut r, 1000).unwrap();
+        free(&mut r, small);
+        free(&mut r, low);
+        free(&mut r, high);
+        assert_eq!(r.listed_bytes(), 2 * slot(200 << 10) + slot(16 << 10), "the run merged whole");
+        // The lowest snug block is taken: the run, before the exact block above it.
+        assert_eq!(take(&mut r, 200 << 10), Some(low), "the merged run, snug");
+        assert_eq!(take(&mut r, 200 << 10), Some(high));
+        r.verify();
     }
 
     #[test]
