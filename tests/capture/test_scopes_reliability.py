@@ -72,7 +72,7 @@ def test_a_generator_nested_in_the_same_workspace_closed_on_another_thread_leave
     def loop():
         yield from ws.cycles(range(3))
 
-    with pytest.warns(ResourceWarning, match="'GEN-NESTED' exited while"), ws:
+    with pytest.warns(ResourceWarning, match="'GEN-NESTED' exited while a later scope of the same"), ws:
         g, h = produce(), loop()
         kept = next(g)
         next(h)

@@ -688,6 +688,7 @@ pub fn describe(owner: &Bound<'_, PyAny>) -> String {
 
 /// Warns (`ResourceWarning`) that `what` exited while `innermost` was the innermost scope.
 pub fn warn_unlinked(py: Python<'_>, what: &str, innermost: &str) -> PyResult<()> {
+    let innermost = if innermost == what { "a later scope of the same workspace" } else { innermost };
     let msg = std::ffi::CString::new(format!(
         "{what} exited while {innermost} was the innermost scope; its scope was unlinked \
          (scopes should exit in the reverse order of entering)"
