@@ -138,23 +138,41 @@ def test_a_second_exit_says_not_open():
         s.__exit__(None, None, None)
 
 
+class _InterruptAt:
+    """A trace function that raises ``KeyboardInterrupt`` at the ``n``-th Python line run while it
+    is set (as a signal handler's can land between any two lines)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.lines = n, 0
+
+    def __call__(self, frame, event, arg):
+        if event == "line":
+            self.lines += 1
+            if self.lines == self.n:
+                raise KeyboardInterrupt
+        return self
+
+    def run(self, call) -> bool:
+        """Runs ``call()`` under it; returns whether it ran to its end without the interrupt."""
+        sys.settrace(self)
+        try:
+            call()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        return self.lines < self.n
+
+
 def _interrupt_at_every_line(factory) -> list[int]:
     """Runs ``with factory(): pass`` once per Python line it executes, raising
     ``KeyboardInterrupt`` at that line; returns the runs that left a scope behind."""
     default = _rustws.get_handler()
     leaked = []
     for n in range(1, 40):
-        count = 0
-
-        def tracer(frame, event, arg, n=n):
-            nonlocal count
-            if event == "line":
-                count += 1
-                if count == n:
-                    raise KeyboardInterrupt
-            return tracer
-
-        sys.settrace(tracer)
+        # Set in this frame, the trace function sees the lines of the frames called from here
+        # (the scopes' Python, if any), not the `with` statement's own.
+        sys.settrace(_InterruptAt(n))
         try:
             with factory():
                 pass
@@ -206,26 +224,10 @@ def _interrupt_at_every_line_of(call) -> int:
     they were before; returns the runs made."""
     before = (_rustws.current_workspace(), _rustws.effective_handler())
     for n in range(1, 400):
-        count = 0
-
-        def tracer(frame, event, arg, n=n):
-            nonlocal count
-            if event == "line":
-                count += 1
-                if count == n:
-                    raise KeyboardInterrupt
-            return tracer
-
-        sys.settrace(tracer)
-        try:
-            call()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
+        finished = _InterruptAt(n).run(call)
         after = (_rustws.current_workspace(), _rustws.effective_handler())
         assert after[0] is before[0] and after[1] is before[1], f"interrupted at line {n}"
-        if count < n:  # ran to its end: no line left to interrupt
+        if finished:  # no line left to interrupt
             return n
     raise AssertionError("the call never ran to its end")
 
