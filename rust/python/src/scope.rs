@@ -575,45 +575,59 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     let top = current_handler(py)?;
     // Without a state (a `with`'s exit), the innermost scope of `key` that a `with` entered: a
     // loop's scope above it is the loop's to exit.
-    let matches = |node: &Node<'_, '_>| {
-        node.key_is(key) && node.is_here() && state.map_or(!node.data.state.held, |s| Arc::ptr_eq(s, &node.data.state))
-    };
+    let matches = |node: &Node<'_, '_>| exit_matches(node, key, state);
     // A `with`'s exit is the innermost scope's, unless a suspended generator or coroutine entered
     // that one and the frame running this exit entered one below it: a generator suspended in a
     // nested `with` of the same workspace while the outer `with` ends. The outer scope is then
     // this exit's (its cycle ends with its block, the level above it with the cycle), not the
     // generator's, whose exit would otherwise find only the outer scope left, entered by a frame
     // not its own. (A suspended generator keeps its frame alive: its address names no other.)
-    let innermost = if state.is_none() { innermost_matching(&top, &matches) } else { None };
-    let generator = innermost.as_ref().and_then(as_node).is_some_and(|n| n.data.state.entered_by_generator());
-    let exiting = if generator { crate::shared::caller_frames::<1>() } else { [0] };
-    let entered_by_exit = |node: &Node<'_, '_>| exiting[0] != 0 && node.data.state.entered_in(&exiting, false);
-    let by_frame = match innermost.as_ref().and_then(as_node) {
-        Some(node) if generator && !entered_by_exit(&node) => {
-            let mut cursor = node.below();
-            loop {
-                let Some(below) = as_node(&cursor) else { break false };
-                if matches(&below) && entered_by_exit(&below) {
-                    break true;
-                }
-                let next = below.below();
-                cursor = next;
-            }
+    let exiting = std::cell::Cell::new([0]);
+    let entered_by_exit = |node: &Node<'_, '_>| {
+        let frame = exiting.get();
+        frame[0] != 0 && node.data.state.entered_in(&frame, false)
+    };
+    // Whether a generator entered `first`, the innermost scope the exit matches, and the frame
+    // running the exit entered one below it.
+    let beneath = |first: &Node<'_, '_>| {
+        exiting.set(crate::shared::caller_frames::<1>());
+        if entered_by_exit(first) {
+            return false;
         }
-        _ => false,
+        let mut cursor = first.below();
+        loop {
+            let Some(below) = as_node(&cursor) else { return false };
+            if matches(&below) && entered_by_exit(&below) {
+                return true;
+            }
+            let next = below.below();
+            cursor = next;
+        }
+    };
+    let top_node = as_node(&top);
+    let by_frame = match top_node.as_ref() {
+        Some(node) if exit_matches(node, key, state) => {
+            if state.is_some() || !node.data.state.entered_by_generator() || !beneath(node) {
+                node.data.state.close();
+                // A workspace's own scope stays, closed, until reopened or settled (see the
+                // module docs); `borrow()` and `scope_out_of_workspaces()` restore what was
+                // below them.
+                if node.data.owner != node.data.key {
+                    install(py, &node.below())?;
+                }
+                return Ok(Popped::Innermost(node.data.state.clone()));
+            }
+            true
+        }
+        _ => {
+            state.is_none()
+                && innermost_matching(&top, &matches)
+                    .as_ref()
+                    .and_then(as_node)
+                    .is_some_and(|first| first.data.state.entered_by_generator() && beneath(&first))
+        }
     };
     let matches = |node: &Node<'_, '_>| matches(node) && (!by_frame || entered_by_exit(node));
-    if let Some(node) = as_node(&top) {
-        if matches(&node) {
-            node.data.state.close();
-            // A workspace's own scope stays, closed, until reopened or settled (see the module
-            // docs); `borrow()` and `scope_out_of_workspaces()` restore what was below them.
-            if node.data.owner != node.data.key {
-                install(py, &node.below())?;
-            }
-            return Ok(Popped::Innermost(node.data.state.clone()));
-        }
-    }
     // Out of order, or over closed nodes: find the scope, rebuild the open nodes above it.
     let mut above: Vec<Bound<'_, PyAny>> = Vec::new();
     let mut cursor = top.clone();
@@ -658,6 +672,13 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
         Some(n) => Ok(Popped::Unlinked(popped, describe(&n.owner()), orphans)),
         None => Ok(Popped::Innermost(popped)),
     }
+}
+
+/// Whether `node` is the scope of `key` that an exit with `state` (None: a `with`'s, which a
+/// loop's held scope is not) leaves, where it is open here.
+#[inline(always)]
+fn exit_matches(node: &Node<'_, '_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState>>) -> bool {
+    node.key_is(key) && node.is_here() && state.map_or(!node.data.state.held, |s| Arc::ptr_eq(s, &node.data.state))
 }
 
 /// The innermost node from `top` down for which `matches` holds.

@@ -281,14 +281,15 @@ pub(crate) struct ScopeState {
 
 impl ScopeState {
     pub fn new(cycle: bool, task: usize, held: bool) -> Arc<Self> {
+        let (frames, generator) = entering_frames();
         Arc::new(ScopeState {
             thread: thread_ident(),
             open: AtomicBool::new(true),
             cycle: AtomicBool::new(cycle),
             task,
             context: AtomicUsize::new(0),
-            frames: caller_frames::<2>().map(AtomicUsize::new),
-            generator: AtomicBool::new(in_generator()),
+            frames: frames.map(AtomicUsize::new),
+            generator: AtomicBool::new(generator),
             orphaned: AtomicBool::new(false),
             held,
         })
@@ -359,10 +360,11 @@ impl ScopeState {
     /// frame running now.
     pub fn reopen(&self, cycle: bool) {
         self.cycle.store(cycle, Ordering::Relaxed);
-        for (at, f) in self.frames.iter().zip(caller_frames::<2>()) {
+        let (frames, generator) = entering_frames();
+        for (at, f) in self.frames.iter().zip(frames) {
             at.store(f, Ordering::Relaxed);
         }
-        self.generator.store(in_generator(), Ordering::Relaxed);
+        self.generator.store(generator, Ordering::Relaxed);
         self.open.store(true, Ordering::Relaxed);
         self.mark_context();
     }
@@ -555,22 +557,22 @@ pub(crate) fn caller_frames<const N: usize>() -> [usize; N] {
     out
 }
 
-/// Whether the innermost Python frame of this thread is a generator's or a coroutine's.
-pub(crate) fn in_generator() -> bool {
-    // SAFETY: the GIL is held by every caller (scopes are entered from Python); the frame is
-    // borrowed, the generator a new reference (or null, with no exception set) dropped at once.
-    unsafe {
-        let f = ffi::PyEval_GetFrame();
-        if f.is_null() {
-            return false;
-        }
-        let g = PyFrame_GetGenerator(f);
-        if g.is_null() {
-            return false;
-        }
-        ffi::Py_DECREF(g);
-        true
-    }
+/// The two innermost Python frames of this thread ([`caller_frames`]), and whether the innermost
+/// is a generator's or a coroutine's: where a scope is entered.
+fn entering_frames() -> ([usize; 2], bool) {
+    let frames = caller_frames::<2>();
+    // SAFETY: the GIL is held by every caller (scopes are entered from Python); `frames[0]` is
+    // the running frame (alive: it is calling this), the generator a new reference (or null,
+    // with no exception set) dropped at once.
+    let generator = frames[0] != 0
+        && unsafe {
+            let g = PyFrame_GetGenerator(frames[0] as *mut ffi::PyFrameObject);
+            !g.is_null() && {
+                ffi::Py_DECREF(g);
+                true
+            }
+        };
+    (frames, generator)
 }
 
 extern "C" {
