@@ -28,7 +28,6 @@ and the framework integrations.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -102,36 +101,25 @@ class DeviceWorkspace(Workspace):
 
     # Cycles: the mirror follows the device workspace's cycles, without becoming current.
     def __enter__(self) -> DeviceWorkspace:
-        mirror = self._mirror_ws if self._mirror_ws is not None and not self._mirror_ws.is_destroyed else None
-        depth = self.depth
+        mirror = self._mirror_ws
+        if mirror is not None and not mirror.is_destroyed:
+            mirror._open_cycle()
         try:
-            if mirror is not None:
-                self._settle_mirror()
-                mirror._open_cycle()
             Workspace.__enter__(self)
-            return self
         except BaseException:
-            # A `with` whose `__enter__` raises never exits: what opened here closes here, told by
-            # the depths (an exception, a signal's `KeyboardInterrupt` included, can land after
-            # either opening, before a flag saying so could be set).
-            if self.depth > depth:
-                Workspace.__exit__(self, *sys.exc_info())
-            self._settle_mirror()
+            if mirror is not None and not mirror.is_destroyed:
+                mirror._close_cycle()
             raise
+        return self
 
     def __exit__(self, *exc: Any) -> Literal[False]:
         try:
             Workspace.__exit__(self, *exc)
+            return False
         finally:
-            self._settle_mirror()
-        return False
-
-    def _settle_mirror(self) -> None:
-        """Closes the mirror's cycles opened beyond this workspace's own (an exit interrupted
-        between the two leaves one open: the next entry closes it)."""
-        mirror = self._mirror_ws
-        while mirror is not None and not mirror.is_destroyed and mirror.depth > self.depth:
-            mirror._close_cycle()
+            mirror = self._mirror_ws
+            if mirror is not None and mirror.is_open:
+                mirror._close_cycle()
 
     def cycles(self, iterable: Iterable[_T]) -> Iterator[_T]:  # type: ignore[override]
         """The loop form: each item of ``iterable`` is one cycle of this workspace (and of its host

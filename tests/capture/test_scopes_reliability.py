@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -97,6 +98,52 @@ def test_a_generator_nested_in_the_same_workspace_closed_on_another_thread_leave
     with ws:
         assert rustws.owner(np.ones(1 << 16)) is ws
     assert not ws.is_open
+
+
+def test_each_exit_of_a_frame_and_of_a_generator_takes_its_own_scope():
+    # The caller's inner `with` and the generator's nested one are both levels of the caller's
+    # cycle: the generator leaving its own (while the caller's inner one is innermost) takes its
+    # own, quietly (the levels are alike), and the caller's cycle ends with its outer block only.
+    ws = rustws.workspace("OWN-EXITS", cfg())
+
+    def producer():
+        with ws:
+            yield 1
+        yield 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ws:
+            g = producer()
+            next(g)
+            with ws:
+                next(g)  # the generator's `with` exits under the caller's inner one
+            assert ws.is_open and ws.depth == 1
+            assert rustws.owner(np.ones(1 << 16)) is ws
+        assert not ws.is_open and ws.stats().cycles == 1
+    assert rustws.current_workspace() is None and rustws.owner(np.ones(1 << 16)) is None
+
+
+def test_a_level_whose_cycle_ended_captures_nothing_and_its_exit_leaves_a_later_block_open():
+    ws = rustws.workspace("ORPHAN", cfg(policy_spill="FAIL"))
+
+    def producer():
+        with ws:
+            yield 1
+
+    with pytest.warns(ResourceWarning, match="'ORPHAN' exited while a later scope of the same"), ws:
+        g = producer()
+        next(g)
+    # The outer block's cycle ended with it, and the generator's level with the cycle: nothing
+    # outside any cycle is the workspace's (under FAIL it would be refused).
+    assert not ws.is_open
+    assert rustws.owner(np.ones(1 << 18)) is None
+    with ws:
+        with pytest.warns(ResourceWarning, match="'ORPHAN' exited while"):
+            g.close()  # the generator's exit takes its own ended level, not this block's scope
+        assert ws.is_open and rustws.current_workspace() is ws
+        assert rustws.owner(np.ones(1 << 16)) is ws
+    assert not ws.is_open and rustws.current_workspace() is None
 
 
 def test_unlinking_a_scope_fixes_the_handler_the_scopes_above_restore():

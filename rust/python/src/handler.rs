@@ -119,7 +119,7 @@ impl Capture {
     fn takes(&self, size: usize) -> bool {
         size >= self.small
             && self.shared.capture.load(Ordering::Relaxed)
-            && self.state.is_here()
+            && self.state.captures_here()
             && !self.shared.is_destroyed()
     }
 

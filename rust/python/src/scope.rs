@@ -536,7 +536,7 @@ pub fn captures_here(py: Python<'_>, shared: &Arc<Shared>) -> PyResult<bool> {
     let top = current_handler(py)?;
     let Some(node) = as_node(&top) else { return Ok(false) };
     let mine = node.data.capture.as_ref().is_some_and(|c| Arc::ptr_eq(&c.capture.shared, shared));
-    Ok(mine && shared.small == 0 && node.is_here() && shared.installs_handler())
+    Ok(mine && shared.small == 0 && node.is_here() && !node.data.state.is_orphaned() && shared.installs_handler())
 }
 
 /// Whether this stack holds an open scope of `key` opened on this thread, in this asyncio task
@@ -573,61 +573,39 @@ pub enum Popped {
 pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState>>) -> PyResult<Popped> {
     let _gc = GcPaused::new(py);
     let top = current_handler(py)?;
-    // Without a state (a `with`'s exit), the innermost scope of `key` that a `with` entered: a
-    // loop's scope above it is the loop's to exit.
+    // Without a state (a `with`'s exit), the innermost scope of `key` that the frame running
+    // the exit entered, else the innermost one of `key` (entered in a helper's frame, since
+    // returned): a loop's scope above it is the loop's to exit. A generator suspended in a
+    // nested `with` of the same workspace leaves its level among the block's own: each exit
+    // takes its own frame's scope, so the block's cycle ends with the block, and the generator's
+    // level with its own exit.
     let matches = |node: &Node<'_, '_>| exit_matches(node, key, state);
-    // A `with`'s exit is the innermost scope's, unless a suspended generator or coroutine entered
-    // that one and the frame running this exit entered one below it: a generator suspended in a
-    // nested `with` of the same workspace while the outer `with` ends. The outer scope is then
-    // this exit's (its cycle ends with its block, the level above it with the cycle), not the
-    // generator's, whose exit would otherwise find only the outer scope left, entered by a frame
-    // not its own. (A suspended generator keeps its frame alive: its address names no other.)
-    let exiting = std::cell::Cell::new([0]);
-    let entered_by_exit = |node: &Node<'_, '_>| {
-        let frame = exiting.get();
-        frame[0] != 0 && node.data.state.entered_in(&frame, false)
-    };
-    // Whether a generator entered `first`, the innermost scope the exit matches, and the frame
-    // running the exit entered one below it.
-    let beneath = |first: &Node<'_, '_>| {
-        exiting.set(crate::shared::caller_frames::<1>());
-        if entered_by_exit(first) {
-            return false;
-        }
-        let mut cursor = first.below();
-        loop {
-            let Some(below) = as_node(&cursor) else { return false };
-            if matches(&below) && entered_by_exit(&below) {
-                return true;
-            }
-            let next = below.below();
-            cursor = next;
-        }
+    // The frame running a `with`'s exit; its code is read only where another frame than it
+    // entered the innermost scope (a frame at an entering frame's address is that frame while
+    // it runs, and the innermost scope is the exit's then as before).
+    let frame = if state.is_none() { crate::shared::caller_frames::<1>()[0] } else { 0 };
+    let exit = std::cell::OnceCell::new();
+    let own = |node: &Node<'_, '_>| {
+        matches(node) && node.data.state.entered_by(*exit.get_or_init(|| crate::shared::ExitFrame::of(frame)))
     };
     let top_node = as_node(&top);
-    let by_frame = match top_node.as_ref() {
-        Some(node) if exit_matches(node, key, state) => {
-            if state.is_some() || !node.data.state.entered_by_generator() || !beneath(node) {
-                node.data.state.close();
-                // A workspace's own scope stays, closed, until reopened or settled (see the
-                // module docs); `borrow()` and `scope_out_of_workspaces()` restore what was
-                // below them.
-                if node.data.owner != node.data.key {
-                    install(py, &node.below())?;
-                }
-                return Ok(Popped::Innermost(node.data.state.clone()));
+    if let Some(node) = top_node.as_ref() {
+        if matches(node)
+            && (state.is_some()
+                || node.data.state.entering_frame() == frame
+                || innermost_matching(&node.below(), &own).is_none())
+        {
+            node.data.state.close();
+            // A workspace's own scope stays, closed, until reopened or settled (see the module
+            // docs); `borrow()` and `scope_out_of_workspaces()` restore what was below them.
+            if node.data.owner != node.data.key {
+                install(py, &node.below())?;
             }
-            true
+            return Ok(Popped::Innermost(node.data.state.clone()));
         }
-        _ => {
-            state.is_none()
-                && innermost_matching(&top, &matches)
-                    .as_ref()
-                    .and_then(as_node)
-                    .is_some_and(|first| first.data.state.entered_by_generator() && beneath(&first))
-        }
-    };
-    let matches = |node: &Node<'_, '_>| matches(node) && (!by_frame || entered_by_exit(node));
+    }
+    let by_frame = state.is_none() && innermost_matching(&top, &own).is_some();
+    let matches = |node: &Node<'_, '_>| if by_frame { own(node) } else { matches(node) };
     // Out of order, or over closed nodes: find the scope, rebuild the open nodes above it.
     let mut above: Vec<Bound<'_, PyAny>> = Vec::new();
     let mut cursor = top.clone();
@@ -668,9 +646,16 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     // Levels of this workspace nested in the popped scope's cycle (above it, below any cycle of
     // the workspace opened above it) end with that cycle.
     let orphans = if popped.opened_cycle() { orphan_nested(key, above.iter().rev()) } else { 0 };
+    // Nothing observable is out of order where only `with` levels of the same workspace lie
+    // above a level: they are alike.
+    let alike = !popped.opened_cycle()
+        && above
+            .iter()
+            .filter_map(as_node)
+            .all(|n| n.key_is(key) && !n.data.state.opened_cycle() && !n.data.state.held);
     match above.first().and_then(as_node) {
-        Some(n) => Ok(Popped::Unlinked(popped, describe(&n.owner()), orphans)),
-        None => Ok(Popped::Innermost(popped)),
+        Some(n) if !alike => Ok(Popped::Unlinked(popped, describe(&n.owner()), orphans)),
+        _ => Ok(Popped::Innermost(popped)),
     }
 }
 

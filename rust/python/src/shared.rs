@@ -268,12 +268,16 @@ pub(crate) struct ScopeState {
     /// generator or coroutine finalised on another thread runs its exit in that frame, or in a
     /// wrapper's frame called from it where a wrapper entered it: `ExitStack.enter_context`).
     frames: [AtomicUsize; 2],
-    /// Whether a generator's or coroutine's frame entered it: its frame stays alive while it is
-    /// suspended, and its exit may run anywhere, or never before an outer scope's.
-    generator: AtomicBool,
+    /// The code object of the frame that entered it (its address; 0: none): with the frame's
+    /// address, what tells that frame from a later one at the same address (a helper's frame
+    /// that entered it has returned, and another function's frame took its place).
+    code: AtomicUsize,
     /// A level nested in a cycle that ended under it (the cycle's scope unlinked while this one,
     /// above it, was still open): the level ended with the cycle, and its exit only unwinds.
     orphaned: AtomicBool,
+    /// Open and not orphaned: NumPy's requests made in it are the workspace's (one load for the
+    /// handlers, which read it at every request).
+    capturing: AtomicBool,
     /// Held by the code that entered it (the loop form), which ends its cycles and exits it with
     /// this state: a `with` of the same workspace never exits or reopens it.
     pub held: bool,
@@ -281,7 +285,7 @@ pub(crate) struct ScopeState {
 
 impl ScopeState {
     pub fn new(cycle: bool, task: usize, held: bool) -> Arc<Self> {
-        let (frames, generator) = entering_frames();
+        let (frames, code) = entering_frames();
         Arc::new(ScopeState {
             thread: thread_ident(),
             open: AtomicBool::new(true),
@@ -289,8 +293,9 @@ impl ScopeState {
             task,
             context: AtomicUsize::new(0),
             frames: frames.map(AtomicUsize::new),
-            generator: AtomicBool::new(generator),
+            code: AtomicUsize::new(code),
             orphaned: AtomicBool::new(false),
+            capturing: AtomicBool::new(true),
             held,
         })
     }
@@ -298,15 +303,11 @@ impl ScopeState {
     /// Marks it a level whose cycle ended under it (see `orphaned`).
     pub fn orphan(&self) {
         self.orphaned.store(true, Ordering::Relaxed);
+        self.capturing.store(false, Ordering::Relaxed);
     }
 
     pub fn is_orphaned(&self) -> bool {
         self.orphaned.load(Ordering::Relaxed)
-    }
-
-    /// Whether a generator's or coroutine's frame entered it (see `generator`).
-    pub fn entered_by_generator(&self) -> bool {
-        self.generator.load(Ordering::Relaxed)
     }
 
     pub fn opened_cycle(&self) -> bool {
@@ -316,7 +317,20 @@ impl ScopeState {
     /// Open, and this is where it was opened: its thread, and its context (not a copy of it).
     #[inline]
     pub fn is_here(&self) -> bool {
-        if !self.open.load(Ordering::Relaxed) || self.thread != thread_ident() {
+        self.open.load(Ordering::Relaxed) && self.runs_where_opened()
+    }
+
+    /// Whether NumPy's requests made now are its workspace's: [`ScopeState::is_here`], and not a
+    /// level whose cycle ended under it.
+    #[inline]
+    pub fn captures_here(&self) -> bool {
+        self.capturing.load(Ordering::Relaxed) && self.runs_where_opened()
+    }
+
+    /// Whether the code running now runs where it was opened: its thread, and its context.
+    #[inline(always)]
+    fn runs_where_opened(&self) -> bool {
+        if self.thread != thread_ident() {
             return false;
         }
         let mine = self.context.load(Ordering::Relaxed);
@@ -332,18 +346,26 @@ impl ScopeState {
         self.context.store(crate::threadstate::current_context(), Ordering::Relaxed);
     }
 
-    /// Whether `now` (the innermost frames at an exit, [`caller_frames`]) says the frame that
-    /// entered it runs this exit: the same frame (`near` false), or the frame that called the one
-    /// that entered it among those (`near` true: wrappers entered and exit it, called from its
-    /// owner: `ExitStack` exits through two frames of its own).
-    pub fn entered_in(&self, now: &[usize], near: bool) -> bool {
-        if near {
-            let caller = self.frames[1].load(Ordering::Relaxed);
-            caller != 0 && now[1..].contains(&caller)
-        } else {
-            let frame = self.frames[0].load(Ordering::Relaxed);
-            frame != 0 && frame == now[0]
-        }
+    /// Whether the frame that called the one that entered it is among `now[1..]` (the frames
+    /// under the one running an exit, [`caller_frames`]): wrappers entered and exit it, called
+    /// from its owner (`ExitStack` exits through two frames of its own).
+    pub fn entered_near(&self, now: &[usize]) -> bool {
+        let caller = self.frames[1].load(Ordering::Relaxed);
+        caller != 0 && now[1..].contains(&caller)
+    }
+
+    /// The address of the frame that entered it (0: none).
+    #[inline]
+    pub fn entering_frame(&self) -> usize {
+        self.frames[0].load(Ordering::Relaxed)
+    }
+
+    /// Whether `exit`, the frame running an exit, is the frame that entered it: the same
+    /// address and the same code.
+    pub fn entered_by(&self, exit: ExitFrame) -> bool {
+        exit.frame != 0
+            && self.frames[0].load(Ordering::Relaxed) == exit.frame
+            && self.code.load(Ordering::Relaxed) == exit.code
     }
 
     /// Closes it; returns whether it was open. Only code holding the GIL opens and closes scopes
@@ -352,6 +374,7 @@ impl ScopeState {
         let was = self.open.load(Ordering::Relaxed);
         if was {
             self.open.store(false, Ordering::Relaxed);
+            self.capturing.store(false, Ordering::Relaxed);
         }
         was
     }
@@ -360,12 +383,14 @@ impl ScopeState {
     /// frame running now.
     pub fn reopen(&self, cycle: bool) {
         self.cycle.store(cycle, Ordering::Relaxed);
-        let (frames, generator) = entering_frames();
+        let (frames, code) = entering_frames();
         for (at, f) in self.frames.iter().zip(frames) {
             at.store(f, Ordering::Relaxed);
         }
-        self.generator.store(generator, Ordering::Relaxed);
+        self.code.store(code, Ordering::Relaxed);
+        self.orphaned.store(false, Ordering::Relaxed);
         self.open.store(true, Ordering::Relaxed);
+        self.capturing.store(true, Ordering::Relaxed);
         self.mark_context();
     }
 }
@@ -516,12 +541,12 @@ pub(crate) fn orphan_nested_after(scopes: &[Arc<ScopeState>], at: usize) -> u32 
 }
 
 /// Which of `scopes` (innermost last) the frame running this exit entered: the innermost one its
-/// very frame entered, else the innermost one a wrapper called from it entered (see
-/// [`ScopeState::entered_in`]). An exit from elsewhere is its owner's only so.
+/// very frame entered ([`ScopeState::entered_by`]), else the innermost one a wrapper called from
+/// it entered ([`ScopeState::entered_near`]). An exit from elsewhere is its owner's only so.
 pub(crate) fn entered_here(scopes: &[Arc<ScopeState>]) -> Option<usize> {
     let now = caller_frames::<4>();
-    let entered = |near| scopes.iter().rposition(|s| s.entered_in(&now, near));
-    entered(false).or_else(|| entered(true))
+    let exit = ExitFrame::of(now[0]);
+    scopes.iter().rposition(|s| s.entered_by(exit)).or_else(|| scopes.iter().rposition(|s| s.entered_near(&now)))
 }
 
 /// The `N` innermost Python frames of this thread (their addresses, innermost first), 0 for each
@@ -557,30 +582,53 @@ pub(crate) fn caller_frames<const N: usize>() -> [usize; N] {
     out
 }
 
-/// The two innermost Python frames of this thread ([`caller_frames`]), and whether the innermost
-/// is a generator's or a coroutine's: where a scope is entered.
-fn entering_frames() -> ([usize; 2], bool) {
+/// The two innermost Python frames of this thread ([`caller_frames`]), and the code object of
+/// the innermost (its address; 0 where there is none): where a scope is entered.
+fn entering_frames() -> ([usize; 2], usize) {
     let frames = caller_frames::<2>();
-    // SAFETY: the GIL is held by every caller (scopes are entered from Python); `frames[0]` is
-    // the running frame (alive: it is calling this), the generator a new reference (or null,
-    // with no exception set) dropped at once.
-    let generator = frames[0] != 0
-        && unsafe {
-            let g = PyFrame_GetGenerator(frames[0] as *mut ffi::PyFrameObject);
-            !g.is_null() && {
-                ffi::Py_DECREF(g);
-                true
-            }
-        };
-    (frames, generator)
+    (frames, code_of(frames[0]))
+}
+
+/// The frame running an exit (its address and its code's; 0 where there is none).
+#[derive(Clone, Copy)]
+pub struct ExitFrame {
+    frame: usize,
+    code: usize,
+}
+
+impl ExitFrame {
+    /// `frame`, the innermost Python frame of this thread ([`caller_frames`]).
+    pub fn of(frame: usize) -> ExitFrame {
+        ExitFrame { frame, code: code_of(frame) }
+    }
+}
+
+/// The address of the code object of `frame`, the address of a frame of this thread that is
+/// running (0: none).
+fn code_of(frame: usize) -> usize {
+    if frame == 0 {
+        return 0;
+    }
+    // SAFETY: the GIL is held by every caller (scopes are entered and left from Python), and
+    // `frame` is a running frame of this thread (the innermost, calling this): alive. The code
+    // is a new reference, dropped at once (the frame keeps it alive); only its address is kept.
+    unsafe {
+        let code = PyFrame_GetCode(frame as *mut ffi::PyFrameObject);
+        if code.is_null() {
+            return 0;
+        }
+        let at = code as usize;
+        ffi::Py_DECREF(code.cast());
+        at
+    }
 }
 
 extern "C" {
     // Public C API since CPython 3.9, exported by every CPython build, but outside the limited
     // API's headers.
     fn PyFrame_GetBack(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyFrameObject;
-    // Public C API since CPython 3.11 (this extension's oldest), likewise outside them.
-    fn PyFrame_GetGenerator(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyObject;
+    // Public C API since CPython 3.9 (stable since 3.10), likewise.
+    fn PyFrame_GetCode(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyObject;
 }
 
 /// The Python identity of the calling thread.

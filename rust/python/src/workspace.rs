@@ -34,6 +34,25 @@ pub(crate) struct WorkspaceCore {
 }
 
 impl WorkspaceCore {
+    /// `__enter__` of an observed workspace: an outermost cycle's opening counts its page faults
+    /// for the cycle's log, here rather than in a Python `__enter__` around this one (Python code
+    /// between the cycle's opening and the `with` block could raise, a `KeyboardInterrupt`, and a
+    /// `with` whose `__enter__` raises never exits).
+    #[cold]
+    #[inline(never)]
+    fn enter_observed(&self, py: Python<'_>, me: &Bound<'_, PyAny>) -> PyResult<()> {
+        let counted = !self.shared.lock().is_open();
+        let before = if counted { thread_faults() } else { 0 };
+        self.enter_with(py, me)?;
+        if counted {
+            let faults = thread_faults().saturating_sub(before);
+            let cycle = self.shared.lock().generation();
+            self.shared.opening_faults[0].store(faults, Ordering::Relaxed);
+            self.shared.opening_faults[1].store(cycle, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// What the object holds, shared with its loop-form iterators.
     fn core(&self) -> Arc<CoreState> {
         self.state.clone().expect("a workspace is made before it is used")
@@ -322,18 +341,10 @@ impl WorkspaceCore {
     /// own.
     fn __enter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
         let me = slf.get();
-        // Observed, an outermost cycle's opening counts its page faults for the cycle's log, here
-        // rather than in a Python `__enter__` around this one: Python code between the cycle's
-        // opening and the `with` block could raise (a `KeyboardInterrupt`), and a `with` whose
-        // `__enter__` raises never exits.
-        let counted = me.shared.observed.load(Ordering::Relaxed) && !me.shared.lock().is_open();
-        let before = if counted { thread_faults() } else { 0 };
-        me.enter_with(slf.py(), slf.as_any())?;
-        if counted {
-            let faults = thread_faults().saturating_sub(before);
-            let cycle = me.shared.lock().generation();
-            me.shared.opening_faults[0].store(faults, Ordering::Relaxed);
-            me.shared.opening_faults[1].store(cycle, Ordering::Relaxed);
+        if me.shared.observed.load(Ordering::Relaxed) {
+            me.enter_observed(slf.py(), slf.as_any())?;
+        } else {
+            me.enter_with(slf.py(), slf.as_any())?;
         }
         Ok(slf.clone())
     }
