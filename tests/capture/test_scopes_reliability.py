@@ -146,6 +146,72 @@ def test_a_level_whose_cycle_ended_captures_nothing_and_its_exit_leaves_a_later_
     assert not ws.is_open and rustws.current_workspace() is None
 
 
+class _Use:
+    """A wrapper entering and leaving a workspace from methods of its own, through one helper
+    (each entry and exit a frame of the same function, gone once it returns)."""
+
+    kept = None
+
+    def __init__(self, ws):
+        self.ws = ws
+
+    def _go(self, on, keep=False):
+        try:
+            {}["missing"]
+        except KeyError as e:
+            if keep:
+                _Use.kept = e  # its traceback keeps this frame alive for a while
+        if on:
+            self.ws.__enter__()
+        else:
+            self.ws.__exit__(None, None, None)
+
+    def __enter__(self):
+        self._go(True, keep=not self.ws.is_open)
+        return self
+
+    def __exit__(self, *exc):
+        self._go(False)
+
+
+class _Wrap:
+    def __init__(self, ws):
+        self.ws = ws
+
+    def __enter__(self):
+        self.ws.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.ws.__exit__(*exc)
+
+
+def test_scopes_entered_through_wrappers_and_helpers_exit_in_their_own_order():
+    ws = rustws.workspace("WRAPPED", cfg())
+
+    def producer():
+        with _Wrap(ws):
+            yield 1
+
+    # The outer wrapper's exit is the outer block's (called from the frame that called its
+    # entry), not the suspended generator's.
+    with pytest.warns(ResourceWarning, match="'WRAPPED' exited while a later scope of the same"), _Wrap(ws):
+        g = producer()
+        next(g)
+    assert not ws.is_open and rustws.owner(np.ones(1 << 16)) is None
+    g.close()
+    # Nested in order through one helper: a helper's frame that entered a scope lives while the
+    # scope is open, so the inner exit's frame (of the same helper) is never taken for it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _Use(ws):
+            with _Use(ws):
+                _Use.kept = None  # the outer entry's frame would be freed here
+            assert ws.is_open and rustws.owner(np.ones(1 << 16)) is ws
+        assert not ws.is_open
+    assert rustws.current_workspace() is None
+
+
 def test_unlinking_a_scope_fixes_the_handler_the_scopes_above_restore():
     a = rustws.workspace("FIX-A", cfg())
     b = rustws.workspace("FIX-B", cfg(), capture=False)

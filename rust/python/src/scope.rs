@@ -573,39 +573,53 @@ pub enum Popped {
 pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState>>) -> PyResult<Popped> {
     let _gc = GcPaused::new(py);
     let top = current_handler(py)?;
-    // Without a state (a `with`'s exit), the innermost scope of `key` that the frame running
-    // the exit entered, else the innermost one of `key` (entered in a helper's frame, since
-    // returned): a loop's scope above it is the loop's to exit. A generator suspended in a
-    // nested `with` of the same workspace leaves its level among the block's own: each exit
-    // takes its own frame's scope, so the block's cycle ends with the block, and the generator's
-    // level with its own exit.
+    // Without a state (a `with`'s exit): the innermost scope of `key` that the frame running the
+    // exit entered, else the innermost one that a frame called from one running the exit
+    // entered (a wrapper's `__enter__`, a helper), else the innermost one of `key`; a loop's scope
+    // is the loop's to exit. A generator suspended in a nested `with` of the same workspace
+    // leaves its level among the block's own: each exit takes its own scope, so the block's cycle
+    // ends with the block, and the generator's level with its own exit. A frame lives while a
+    // scope it entered is open (the scope holds it): its address names it.
     let matches = |node: &Node<'_, '_>| exit_matches(node, key, state);
-    // The frame running a `with`'s exit; its code is read only where another frame than it
-    // entered the innermost scope (a frame at an entering frame's address is that frame while
-    // it runs, and the innermost scope is the exit's then as before).
     let frame = if state.is_none() { crate::shared::caller_frames::<1>()[0] } else { 0 };
-    let exit = std::cell::OnceCell::new();
-    let own = |node: &Node<'_, '_>| {
-        matches(node) && node.data.state.entered_by(*exit.get_or_init(|| crate::shared::ExitFrame::of(frame)))
+    let own = |node: &Node<'_, '_>| matches(node) && frame != 0 && node.data.state.entering_frame() == frame;
+    let callers = std::cell::OnceCell::new();
+    let near = |node: &Node<'_, '_>| {
+        matches(node) && node.data.state.entered_near(callers.get_or_init(crate::shared::caller_frames::<4>))
     };
     let top_node = as_node(&top);
-    if let Some(node) = top_node.as_ref() {
-        if matches(node)
-            && (state.is_some()
-                || node.data.state.entering_frame() == frame
-                || innermost_matching(&node.below(), &own).is_none())
-        {
-            node.data.state.close();
-            // A workspace's own scope stays, closed, until reopened or settled (see the module
-            // docs); `borrow()` and `scope_out_of_workspaces()` restore what was below them.
-            if node.data.owner != node.data.key {
-                install(py, &node.below())?;
-            }
-            return Ok(Popped::Innermost(node.data.state.clone()));
-        }
+    let top_matches = top_node.as_ref().is_some_and(matches);
+    #[derive(Clone, Copy)]
+    enum By {
+        Innermost,
+        Frame,
+        Caller,
     }
-    let by_frame = state.is_none() && innermost_matching(&top, &own).is_some();
-    let matches = |node: &Node<'_, '_>| if by_frame { own(node) } else { matches(node) };
+    let by = if state.is_some()
+        || (top_matches && top_node.as_ref().is_some_and(|n| n.data.state.entering_frame() == frame))
+    {
+        By::Innermost
+    } else if innermost_matching(&top, &own).is_some() {
+        By::Frame
+    } else if innermost_matching(&top, &near).is_some() {
+        By::Caller
+    } else {
+        By::Innermost
+    };
+    if let (Some(node), true, By::Innermost) = (top_node.as_ref(), top_matches, by) {
+        node.data.state.close();
+        // A workspace's own scope stays, closed, until reopened or settled (see the module docs);
+        // `borrow()` and `scope_out_of_workspaces()` restore what was below them.
+        if node.data.owner != node.data.key {
+            install(py, &node.below())?;
+        }
+        return Ok(Popped::Innermost(node.data.state.clone()));
+    }
+    let matches = |node: &Node<'_, '_>| match by {
+        By::Innermost => matches(node),
+        By::Frame => own(node),
+        By::Caller => near(node),
+    };
     // Out of order, or over closed nodes: find the scope, rebuild the open nodes above it.
     let mut above: Vec<Bound<'_, PyAny>> = Vec::new();
     let mut cursor = top.clone();

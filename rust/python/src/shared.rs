@@ -267,11 +267,11 @@ pub(crate) struct ScopeState {
     /// none): the one place, besides its own thread, where an exit of it is its owner's (a
     /// generator or coroutine finalised on another thread runs its exit in that frame, or in a
     /// wrapper's frame called from it where a wrapper entered it: `ExitStack.enter_context`).
+    /// The first a reference it holds while open (taken under the GIL as it opens, given back as
+    /// it closes): the frame that entered it lives while it is open, so that no later frame takes
+    /// its address (a helper that entered it and returned, and a call of the same helper that
+    /// exits it, would otherwise look alike).
     frames: [AtomicUsize; 2],
-    /// The code object of the frame that entered it (its address; 0: none): with the frame's
-    /// address, what tells that frame from a later one at the same address (a helper's frame
-    /// that entered it has returned, and another function's frame took its place).
-    code: AtomicUsize,
     /// A level nested in a cycle that ended under it (the cycle's scope unlinked while this one,
     /// above it, was still open): the level ended with the cycle, and its exit only unwinds.
     orphaned: AtomicBool,
@@ -285,7 +285,7 @@ pub(crate) struct ScopeState {
 
 impl ScopeState {
     pub fn new(cycle: bool, task: usize, held: bool) -> Arc<Self> {
-        let (frames, code) = entering_frames();
+        let frames = held_frames();
         Arc::new(ScopeState {
             thread: thread_ident(),
             open: AtomicBool::new(true),
@@ -293,7 +293,6 @@ impl ScopeState {
             task,
             context: AtomicUsize::new(0),
             frames: frames.map(AtomicUsize::new),
-            code: AtomicUsize::new(code),
             orphaned: AtomicBool::new(false),
             capturing: AtomicBool::new(true),
             held,
@@ -360,12 +359,15 @@ impl ScopeState {
         self.frames[0].load(Ordering::Relaxed)
     }
 
-    /// Whether `exit`, the frame running an exit, is the frame that entered it: the same
-    /// address and the same code.
-    pub fn entered_by(&self, exit: ExitFrame) -> bool {
-        exit.frame != 0
-            && self.frames[0].load(Ordering::Relaxed) == exit.frame
-            && self.code.load(Ordering::Relaxed) == exit.code
+    /// Gives back the reference to the frame that entered it (with the GIL held).
+    fn release_frames(&self) {
+        self.frames[1].store(0, Ordering::Relaxed);
+        let frame = self.frames[0].swap(0, Ordering::Relaxed);
+        if frame != 0 {
+            // SAFETY: the reference taken by `held_frames` and not given back yet (the swap makes
+            // this the only release of it); the GIL is held (see `close`).
+            unsafe { ffi::Py_DECREF(frame as *mut ffi::PyObject) };
+        }
     }
 
     /// Closes it; returns whether it was open. Only code holding the GIL opens and closes scopes
@@ -375,6 +377,7 @@ impl ScopeState {
         if was {
             self.open.store(false, Ordering::Relaxed);
             self.capturing.store(false, Ordering::Relaxed);
+            self.release_frames();
         }
         was
     }
@@ -383,15 +386,25 @@ impl ScopeState {
     /// frame running now.
     pub fn reopen(&self, cycle: bool) {
         self.cycle.store(cycle, Ordering::Relaxed);
-        let (frames, code) = entering_frames();
-        for (at, f) in self.frames.iter().zip(frames) {
+        self.release_frames();
+        for (at, f) in self.frames.iter().zip(held_frames()) {
             at.store(f, Ordering::Relaxed);
         }
-        self.code.store(code, Ordering::Relaxed);
         self.orphaned.store(false, Ordering::Relaxed);
         self.open.store(true, Ordering::Relaxed);
         self.capturing.store(true, Ordering::Relaxed);
         self.mark_context();
+    }
+}
+
+impl Drop for ScopeState {
+    fn drop(&mut self) {
+        // Dropped open (never exited: its generator never finalised, its thread gone): the frame
+        // it holds goes back where the GIL is held here; elsewhere it stays (a frame object kept,
+        // rather than released without the GIL).
+        if self.frames[0].load(Ordering::Relaxed) != 0 && crate::threadstate::holds_gil() {
+            self.release_frames();
+        }
     }
 }
 
@@ -541,12 +554,14 @@ pub(crate) fn orphan_nested_after(scopes: &[Arc<ScopeState>], at: usize) -> u32 
 }
 
 /// Which of `scopes` (innermost last) the frame running this exit entered: the innermost one its
-/// very frame entered ([`ScopeState::entered_by`]), else the innermost one a wrapper called from
-/// it entered ([`ScopeState::entered_near`]). An exit from elsewhere is its owner's only so.
+/// very frame entered ([`ScopeState::entering_frame`]), else the innermost one a wrapper called
+/// from it entered ([`ScopeState::entered_near`]). An exit from elsewhere is its owner's only so.
 pub(crate) fn entered_here(scopes: &[Arc<ScopeState>]) -> Option<usize> {
     let now = caller_frames::<4>();
-    let exit = ExitFrame::of(now[0]);
-    scopes.iter().rposition(|s| s.entered_by(exit)).or_else(|| scopes.iter().rposition(|s| s.entered_near(&now)))
+    scopes
+        .iter()
+        .rposition(|s| now[0] != 0 && s.entering_frame() == now[0])
+        .or_else(|| scopes.iter().rposition(|s| s.entered_near(&now)))
 }
 
 /// The `N` innermost Python frames of this thread (their addresses, innermost first), 0 for each
@@ -582,53 +597,38 @@ pub(crate) fn caller_frames<const N: usize>() -> [usize; N] {
     out
 }
 
-/// The two innermost Python frames of this thread ([`caller_frames`]), and the code object of
-/// the innermost (its address; 0 where there is none): where a scope is entered.
-fn entering_frames() -> ([usize; 2], usize) {
-    let frames = caller_frames::<2>();
-    (frames, code_of(frames[0]))
-}
-
-/// The frame running an exit (its address and its code's; 0 where there is none).
-#[derive(Clone, Copy)]
-pub struct ExitFrame {
-    frame: usize,
-    code: usize,
-}
-
-impl ExitFrame {
-    /// `frame`, the innermost Python frame of this thread ([`caller_frames`]).
-    pub fn of(frame: usize) -> ExitFrame {
-        ExitFrame { frame, code: code_of(frame) }
-    }
-}
-
-/// The address of the code object of `frame`, the address of a frame of this thread that is
-/// running (0: none).
-fn code_of(frame: usize) -> usize {
-    if frame == 0 {
-        return 0;
-    }
-    // SAFETY: the GIL is held by every caller (scopes are entered and left from Python), and
-    // `frame` is a running frame of this thread (the innermost, calling this): alive. The code
-    // is a new reference, dropped at once (the frame keeps it alive); only its address is kept.
+/// The two innermost Python frames of this thread (0 for each that is not there), the first a new
+/// reference: where a scope is entered. The caller's is only an address: held, it would keep the
+/// caller's locals (generators among them) alive while the scope is open, and change when they
+/// are finalised.
+fn held_frames() -> [usize; 2] {
+    let mut out = [0; 2];
+    // SAFETY: the GIL is held by every caller (scopes are entered from Python). The running frame
+    // is borrowed and a reference to it taken; its caller's is a new reference already. Making
+    // the frame objects can fail for want of memory: then the frames from there on are not
+    // recorded (an exit then finds its scope as the innermost) and the error is cleared.
     unsafe {
-        let code = PyFrame_GetCode(frame as *mut ffi::PyFrameObject);
-        if code.is_null() {
-            return 0;
+        let f = ffi::PyEval_GetFrame();
+        if !f.is_null() {
+            ffi::Py_INCREF(f.cast());
+            out[0] = f as usize;
+            let back = PyFrame_GetBack(f);
+            if !back.is_null() {
+                out[1] = back as usize;
+                ffi::Py_DECREF(back.cast());
+            }
         }
-        let at = code as usize;
-        ffi::Py_DECREF(code.cast());
-        at
+        if !ffi::PyErr_Occurred().is_null() {
+            ffi::PyErr_Clear();
+        }
     }
+    out
 }
 
 extern "C" {
     // Public C API since CPython 3.9, exported by every CPython build, but outside the limited
     // API's headers.
     fn PyFrame_GetBack(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyFrameObject;
-    // Public C API since CPython 3.9 (stable since 3.10), likewise.
-    fn PyFrame_GetCode(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyObject;
 }
 
 /// The Python identity of the calling thread.
