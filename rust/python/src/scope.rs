@@ -536,7 +536,7 @@ pub fn captures_here(py: Python<'_>, shared: &Arc<Shared>) -> PyResult<bool> {
     let top = current_handler(py)?;
     let Some(node) = as_node(&top) else { return Ok(false) };
     let mine = node.data.capture.as_ref().is_some_and(|c| Arc::ptr_eq(&c.capture.shared, shared));
-    Ok(mine && shared.small == 0 && node.is_here() && !node.data.state.is_orphaned() && shared.installs_handler())
+    Ok(mine && shared.small == 0 && node.data.state.captures_here() && shared.installs_handler())
 }
 
 /// Whether this stack holds an open scope of `key` opened on this thread, in this asyncio task
@@ -599,9 +599,9 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
         || (top_matches && top_node.as_ref().is_some_and(|n| n.data.state.entering_frame() == frame))
     {
         By::Innermost
-    } else if innermost_matching(&top, &own).is_some() {
+    } else if any_from(&top, &own) {
         By::Frame
-    } else if innermost_matching(&top, &near).is_some() {
+    } else if any_from(&top, &near) {
         By::Caller
     } else {
         By::Innermost
@@ -668,7 +668,14 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
             .filter_map(as_node)
             .all(|n| n.key_is(key) && !n.data.state.opened_cycle() && !n.data.state.held);
     match above.first().and_then(as_node) {
-        Some(n) if !alike => Ok(Popped::Unlinked(popped, describe(&n.owner()), orphans)),
+        Some(n) if !alike => {
+            let innermost = if n.owner().is(key) {
+                "a later scope of the same workspace".to_string()
+            } else {
+                describe(&n.owner())
+            };
+            Ok(Popped::Unlinked(popped, innermost, orphans))
+        }
         _ => Ok(Popped::Innermost(popped)),
     }
 }
@@ -680,20 +687,17 @@ fn exit_matches(node: &Node<'_, '_>, key: &Bound<'_, PyAny>, state: Option<&Arc<
     node.key_is(key) && node.is_here() && state.map_or(!node.data.state.held, |s| Arc::ptr_eq(s, &node.data.state))
 }
 
-/// The innermost node from `top` down for which `matches` holds.
-fn innermost_matching<'py>(
-    top: &Bound<'py, PyAny>,
-    matches: &impl Fn(&Node<'_, '_>) -> bool,
-) -> Option<Bound<'py, PyAny>> {
+/// Whether `matches` holds for a node from `top` down.
+fn any_from(top: &Bound<'_, PyAny>, matches: &impl Fn(&Node<'_, '_>) -> bool) -> bool {
     let mut cursor = top.clone();
-    loop {
-        let node = as_node(&cursor)?;
+    while let Some(node) = as_node(&cursor) {
         if matches(&node) {
-            return Some(cursor.clone());
+            return true;
         }
         let next = node.below();
         cursor = next;
     }
+    false
 }
 
 pub fn describe(owner: &Bound<'_, PyAny>) -> String {
@@ -708,7 +712,6 @@ pub fn describe(owner: &Bound<'_, PyAny>) -> String {
 
 /// Warns (`ResourceWarning`) that `what` exited while `innermost` was the innermost scope.
 pub fn warn_unlinked(py: Python<'_>, what: &str, innermost: &str) -> PyResult<()> {
-    let innermost = if innermost == what { "a later scope of the same workspace" } else { innermost };
     let msg = std::ffi::CString::new(format!(
         "{what} exited while {innermost} was the innermost scope; its scope was unlinked \
          (scopes should exit in the reverse order of entering)"

@@ -597,32 +597,18 @@ pub(crate) fn caller_frames<const N: usize>() -> [usize; N] {
     out
 }
 
-/// The two innermost Python frames of this thread (0 for each that is not there), the first a new
-/// reference: where a scope is entered. The caller's is only an address: held, it would keep the
-/// caller's locals (generators among them) alive while the scope is open, and change when they
-/// are finalised.
+/// The two innermost Python frames of this thread ([`caller_frames`]), the first a new reference:
+/// where a scope is entered. The caller's is only an address: held, it would keep the caller's
+/// locals (generators among them) alive while the scope is open, and change when they are
+/// finalised.
 fn held_frames() -> [usize; 2] {
-    let mut out = [0; 2];
-    // SAFETY: the GIL is held by every caller (scopes are entered from Python). The running frame
-    // is borrowed and a reference to it taken; its caller's is a new reference already. Making
-    // the frame objects can fail for want of memory: then the frames from there on are not
-    // recorded (an exit then finds its scope as the innermost) and the error is cleared.
-    unsafe {
-        let f = ffi::PyEval_GetFrame();
-        if !f.is_null() {
-            ffi::Py_INCREF(f.cast());
-            out[0] = f as usize;
-            let back = PyFrame_GetBack(f);
-            if !back.is_null() {
-                out[1] = back as usize;
-                ffi::Py_DECREF(back.cast());
-            }
-        }
-        if !ffi::PyErr_Occurred().is_null() {
-            ffi::PyErr_Clear();
-        }
+    let frames = caller_frames::<2>();
+    if frames[0] != 0 {
+        // SAFETY: the GIL is held by every caller (scopes are entered from Python), and
+        // `frames[0]` is the running frame, alive: a reference to it is taken.
+        unsafe { ffi::Py_INCREF(frames[0] as *mut ffi::PyObject) };
     }
-    out
+    frames
 }
 
 extern "C" {
