@@ -200,8 +200,9 @@ def test_scopes_entered_through_wrappers_and_helpers_exit_in_their_own_order():
         next(g)
     assert not ws.is_open and rustws.owner(np.ones(1 << 16)) is None
     g.close()
-    # Nested in order through one helper: a helper's frame that entered a scope lives while the
-    # scope is open, so the inner exit's frame (of the same helper) is never taken for it.
+    # Nested in order through one helper: the frame of a helper that entered a scope and returned
+    # is not taken for the one that entered it, so the inner exit's frame (of the same helper, at
+    # the same address perhaps) takes the innermost scope.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with _Use(ws):
@@ -209,6 +210,52 @@ def test_scopes_entered_through_wrappers_and_helpers_exit_in_their_own_order():
                 _Use.kept = None  # the outer entry's frame would be freed here
             assert ws.is_open and rustws.owner(np.ones(1 << 16)) is ws
         assert not ws.is_open
+    assert rustws.current_workspace() is None
+
+
+def test_a_loop_left_by_a_return_ends_its_cycle_with_the_function():
+    ws = rustws.workspace("RETURNED", cfg())
+
+    def first_step():
+        steps = ws.cycles(range(10))
+        for step in steps:
+            assert rustws.owner(np.ones(1 << 16)) is ws
+            return step
+
+    assert first_step() == 0
+    # The loop's iterator, a local, went with the function's frame, and its cycle with it.
+    assert not ws.is_open and ws.depth == 0 and ws.stats().cycles == 1
+    assert rustws.current_workspace() is None
+
+
+def test_a_frame_that_entered_a_scope_keeps_nothing_alive_once_it_returns():
+    ws = rustws.workspace("SESSION", cfg())
+    freed = []
+
+    class Marker:
+        def __del__(self):
+            freed.append(True)
+
+    class Session:
+        """Enters its workspace when made, and exits it when freed."""
+
+        def __init__(self):
+            ws.__enter__()
+
+        def __del__(self):
+            ws.__exit__(None, None, None)
+
+    def setup():
+        marker = Marker()  # noqa: F841 - a local of the frame that enters
+        ws.__enter__()
+
+    setup()
+    assert freed == [True] and ws.is_open
+    ws.__exit__(None, None, None)
+    session = Session()
+    assert ws.is_open
+    del session  # nothing else keeps it: not the frame of its `__init__`
+    assert not ws.is_open and ws.depth == 0 and ws.stats().cycles == 2
     assert rustws.current_workspace() is None
 
 

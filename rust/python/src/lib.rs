@@ -218,6 +218,7 @@ fn _rustws(m: &Bound<'_, PyModule>) -> PyResult<()> {
     threadstate::init(py)?;
     handler::init_default_allocator(py)?;
     cycles::init(py);
+    shared::init_frames(py);
     // rust-numpy's cells (its C-API table, the NumPy version) are made now, on the importing
     // thread: made first on another thread, PyO3's cells can be left half made by a fork (see
     // `once`); this module's own cells are made so that they cannot. (Nothing here sets NumPy's

@@ -578,8 +578,9 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     // entered (a wrapper's `__enter__`, a helper), else the innermost one of `key`; a loop's scope
     // is the loop's to exit. A generator suspended in a nested `with` of the same workspace
     // leaves its level among the block's own: each exit takes its own scope, so the block's cycle
-    // ends with the block, and the generator's level with its own exit. A frame lives while a
-    // scope it entered is open (the scope holds it): its address names it.
+    // ends with the block, and the generator's level with its own exit. Only a `with`
+    // statement's frame is recorded as the one that entered a scope, and it runs until the
+    // statement's exit: its address names it.
     let matches = |node: &Node<'_, '_>| exit_matches(node, key, state);
     let frame = if state.is_none() { crate::shared::caller_frames::<1>()[0] } else { 0 };
     let own = |node: &Node<'_, '_>| matches(node) && frame != 0 && node.data.state.entering_frame() == frame;

@@ -8,7 +8,7 @@ use std::cell::{RefCell, UnsafeCell};
 use std::ffi::{c_char, c_void};
 use std::mem::ManuallyDrop;
 use std::ptr::{null_mut, NonNull};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::ffi;
@@ -266,11 +266,13 @@ pub(crate) struct ScopeState {
     /// The Python frame that entered it and the frame that called that one (their addresses; 0:
     /// none): the one place, besides its own thread, where an exit of it is its owner's (a
     /// generator or coroutine finalised on another thread runs its exit in that frame, or in a
-    /// wrapper's frame called from it where a wrapper entered it: `ExitStack.enter_context`).
-    /// The first a reference it holds while open (taken under the GIL as it opens, given back as
-    /// it closes): the frame that entered it lives while it is open, so that no later frame takes
-    /// its address (a helper that entered it and returned, and a call of the same helper that
-    /// exits it, would otherwise look alike).
+    /// wrapper's frame called from it where `with` entered a wrapper that entered it).
+    /// Only a frame that lives until the scope's exit ([`lives_to_its_exit`]: a `with`
+    /// statement's, a generator's), so that no later frame can take its address while the scope
+    /// is open: the frame of a helper that entered it and returned could be followed at its
+    /// address by the frame of a call of the same helper that exits it. No reference is held: it
+    /// would keep the frame's locals alive after it returned (the loop form's iterator among
+    /// them, which ends its cycle when freed). None for the loop form's scopes (`held`).
     frames: [AtomicUsize; 2],
     /// A level nested in a cycle that ended under it (the cycle's scope unlinked while this one,
     /// above it, was still open): the level ended with the cycle, and its exit only unwinds.
@@ -285,7 +287,7 @@ pub(crate) struct ScopeState {
 
 impl ScopeState {
     pub fn new(cycle: bool, task: usize, held: bool) -> Arc<Self> {
-        let frames = held_frames();
+        let frames = if held { [0; 2] } else { entry_frames() };
         Arc::new(ScopeState {
             thread: thread_ident(),
             open: AtomicBool::new(true),
@@ -346,8 +348,9 @@ impl ScopeState {
     }
 
     /// Whether the frame that called the one that entered it is among `now[1..]` (the frames
-    /// under the one running an exit, [`caller_frames`]): wrappers entered and exit it, called
-    /// from its owner (`ExitStack` exits through two frames of its own).
+    /// under the one running an exit, [`caller_frames`]): a wrapper's `__enter__` entered it and
+    /// its `__exit__` exits it, both called by the owner's `with` (some wrappers exit through more
+    /// than one frame of their own).
     pub fn entered_near(&self, now: &[usize]) -> bool {
         let caller = self.frames[1].load(Ordering::Relaxed);
         caller != 0 && now[1..].contains(&caller)
@@ -359,14 +362,10 @@ impl ScopeState {
         self.frames[0].load(Ordering::Relaxed)
     }
 
-    /// Gives back the reference to the frame that entered it (with the GIL held).
-    fn release_frames(&self) {
-        self.frames[1].store(0, Ordering::Relaxed);
-        let frame = self.frames[0].swap(0, Ordering::Relaxed);
-        if frame != 0 {
-            // SAFETY: the reference taken by `held_frames` and not given back yet (the swap makes
-            // this the only release of it); the GIL is held (see `close`).
-            unsafe { ffi::Py_DECREF(frame as *mut ffi::PyObject) };
+    /// Forgets the frames that entered it: closed, it is no exit's to take.
+    fn forget_frames(&self) {
+        for at in &self.frames {
+            at.store(0, Ordering::Relaxed);
         }
     }
 
@@ -377,7 +376,7 @@ impl ScopeState {
         if was {
             self.open.store(false, Ordering::Relaxed);
             self.capturing.store(false, Ordering::Relaxed);
-            self.release_frames();
+            self.forget_frames();
         }
         was
     }
@@ -386,25 +385,15 @@ impl ScopeState {
     /// frame running now.
     pub fn reopen(&self, cycle: bool) {
         self.cycle.store(cycle, Ordering::Relaxed);
-        self.release_frames();
-        for (at, f) in self.frames.iter().zip(held_frames()) {
-            at.store(f, Ordering::Relaxed);
+        if !self.held {
+            for (at, f) in self.frames.iter().zip(entry_frames()) {
+                at.store(f, Ordering::Relaxed);
+            }
         }
         self.orphaned.store(false, Ordering::Relaxed);
         self.open.store(true, Ordering::Relaxed);
         self.capturing.store(true, Ordering::Relaxed);
         self.mark_context();
-    }
-}
-
-impl Drop for ScopeState {
-    fn drop(&mut self) {
-        // Dropped open (never exited: its generator never finalised, its thread gone): the frame
-        // it holds goes back where the GIL is held here; elsewhere it stays (a frame object kept,
-        // rather than released without the GIL).
-        if self.frames[0].load(Ordering::Relaxed) != 0 && crate::threadstate::holds_gil() {
-            self.release_frames();
-        }
     }
 }
 
@@ -597,24 +586,87 @@ pub(crate) fn caller_frames<const N: usize>() -> [usize; N] {
     out
 }
 
-/// The two innermost Python frames of this thread ([`caller_frames`]), the first a new reference:
-/// where a scope is entered. The caller's is only an address: held, it would keep the caller's
-/// locals (generators among them) alive while the scope is open, and change when they are
-/// finalised.
-fn held_frames() -> [usize; 2] {
-    let frames = caller_frames::<2>();
-    if frames[0] != 0 {
-        // SAFETY: the GIL is held by every caller (scopes are entered from Python), and
-        // `frames[0]` is the running frame, alive: a reference to it is taken.
-        unsafe { ffi::Py_INCREF(frames[0] as *mut ffi::PyObject) };
+/// The two innermost Python frames of this thread ([`caller_frames`]), where a scope is entered,
+/// each kept only where it lives until the scope's exit ([`lives_to_its_exit`]): the first where
+/// it entered the scope itself; else the second, where it entered a wrapper that entered it.
+fn entry_frames() -> [usize; 2] {
+    let [first, second] = caller_frames::<2>();
+    if first != 0 && lives_to_its_exit(first) {
+        return [first, 0];
     }
-    frames
+    [0, if second != 0 && lives_to_its_exit(second) { second } else { 0 }]
+}
+
+/// The opcode of `BEFORE_WITH`, which calls a `with` statement's `__enter__`, on the running
+/// interpreter (`opcode.opmap`); 0 (`CACHE`, never executed) where it has none.
+static BEFORE_WITH: AtomicU8 = AtomicU8::new(0);
+
+/// Learns the running interpreter's `BEFORE_WITH` (at import).
+pub fn init_frames(py: Python<'_>) {
+    let v = py.version_info();
+    let op = match (v.major, v.minor) {
+        (3, 11 | 12) => 53,
+        (3, 13) => 2,
+        // Later interpreters enter a `with` through a plain call: its frame is a helper's.
+        _ => 0,
+    };
+    BEFORE_WITH.store(op, Ordering::Relaxed);
+}
+
+/// The code flags of generators, coroutines and asynchronous generators (`inspect.CO_*`).
+const CO_SUSPENDABLE: std::ffi::c_long = 0x20 | 0x80 | 0x100 | 0x200;
+
+/// Whether `frame` (a live frame object of this thread, entering a scope) lives until that
+/// scope's exit, so that no other frame can take its address while the scope is open: it runs a
+/// `with` statement's entry (its current instruction is `BEFORE_WITH`; the statement's exit
+/// runs in it), or it is a generator's or coroutine's, which outlives its suspensions and runs
+/// its exits when closed. A plain function that entered a scope can return with it open. False
+/// where it cannot be told (for want of memory: the error is cleared).
+fn lives_to_its_exit(frame: usize) -> bool {
+    let frame = frame as *mut ffi::PyFrameObject;
+    let op = BEFORE_WITH.load(Ordering::Relaxed);
+    // SAFETY: the GIL is held (scopes are entered from Python) and `frame` is a running frame,
+    // alive. `PyFrame_GetCode` returns a new reference (never null); `PyCode_GetCode` a new
+    // reference to the code's bytes as `co_code` gives them (instrumentation and specialisation
+    // undone; cached in the code object), or null with an error set; `PyFrame_GetLasti` the
+    // byte offset of the instruction running, checked against the bytes' length before it is
+    // read. `co_flags` is an `int` attribute of every code object (null with an error set where
+    // it cannot be read).
+    unsafe {
+        let code = PyFrame_GetCode(frame);
+        let bytes = if op == 0 { null_mut() } else { PyCode_GetCode(code) };
+        let with = !bytes.is_null() && {
+            let at = usize::try_from(PyFrame_GetLasti(frame)).ok();
+            let at = at.filter(|&at| (at as isize) < ffi::PyBytes_Size(bytes));
+            let is = at.is_some_and(|at| *ffi::PyBytes_AsString(bytes).cast::<u8>().add(at) == op);
+            ffi::Py_DECREF(bytes);
+            is
+        };
+        let suspendable = !with && {
+            let flags = ffi::PyObject_GetAttrString(code, c"co_flags".as_ptr());
+            !flags.is_null() && {
+                let flags_value = ffi::PyLong_AsLong(flags);
+                ffi::Py_DECREF(flags);
+                flags_value & CO_SUSPENDABLE != 0
+            }
+        };
+        ffi::Py_DECREF(code);
+        if !ffi::PyErr_Occurred().is_null() {
+            ffi::PyErr_Clear();
+        }
+        with || suspendable
+    }
 }
 
 extern "C" {
     // Public C API since CPython 3.9, exported by every CPython build, but outside the limited
     // API's headers.
     fn PyFrame_GetBack(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyFrameObject;
+    // Public C API since CPython 3.9 (`PyFrame_GetCode`) and 3.11 (the others), outside the
+    // limited API's headers.
+    fn PyFrame_GetCode(frame: *mut ffi::PyFrameObject) -> *mut ffi::PyObject;
+    fn PyFrame_GetLasti(frame: *mut ffi::PyFrameObject) -> std::ffi::c_int;
+    fn PyCode_GetCode(code: *mut ffi::PyObject) -> *mut ffi::PyObject;
 }
 
 /// The Python identity of the calling thread.
