@@ -590,10 +590,11 @@ pub(crate) fn caller_frames<const N: usize>() -> [usize; N] {
 /// each kept only where it lives until the scope's exit ([`lives_to_its_exit`]): the first where
 /// it entered the scope itself; else the second, where it entered a wrapper that entered it.
 fn entry_frames() -> [usize; 2] {
-    let [first, second] = caller_frames::<2>();
+    let [first] = caller_frames::<1>();
     if first != 0 && lives_to_its_exit(first) {
         return [first, 0];
     }
+    let [_, second] = caller_frames::<2>();
     [0, if second != 0 && lives_to_its_exit(second) { second } else { 0 }]
 }
 
