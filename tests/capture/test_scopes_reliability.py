@@ -5,6 +5,7 @@ scope exited in any order."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import threading
@@ -257,6 +258,46 @@ def test_a_frame_that_entered_a_scope_keeps_nothing_alive_once_it_returns():
     del session  # nothing else keeps it: not the frame of its `__init__`
     assert not ws.is_open and ws.depth == 0 and ws.stats().cycles == 2
     assert rustws.current_workspace() is None
+
+
+def test_levels_entered_by_coroutines_and_generators_that_end_first_exit_in_order():
+    """A coroutine or a generator that enters or exits by hand and ends at once: its frame goes,
+    and a later one takes its address; the exits, in order, still take the innermost level."""
+    ws = rustws.workspace("ENDED-HELPERS", cfg())
+
+    async def use(on):
+        ws.__enter__() if on else ws.__exit__(None, None, None)
+
+    def use_gen(on):
+        ws.__enter__() if on else ws.__exit__(None, None, None)
+        yield
+
+    def setup():
+        ws.__enter__()
+
+    def levels():
+        return ws.depth, rustws.owner(np.ones(1 << 16)) is ws
+
+    async def main():
+        for _ in range(10):
+            await use(True)
+            setup()
+            await use(False)
+            assert levels() == (1, True)
+            await use(False)
+            assert levels() == (0, False)
+            for _ in use_gen(True):
+                setup()
+            for _ in use_gen(False):
+                assert levels() == (1, True)  # the generator's exit ran before its `yield`
+            for _ in use_gen(False):
+                pass
+            assert levels() == (0, False)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        asyncio.run(main())
+    assert not ws.is_open and rustws.current_workspace() is None
 
 
 def test_unlinking_a_scope_fixes_the_handler_the_scopes_above_restore():

@@ -581,12 +581,13 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     // ends with the block, and the generator's level with its own exit. Only a `with`
     // statement's frame is recorded as the one that entered a scope, and it runs until the
     // statement's exit: its address names it.
+    use crate::shared::Recorded::ByWith;
     let matches = |node: &Node<'_, '_>| exit_matches(node, key, state);
     let frame = if state.is_none() { crate::shared::caller_frames::<1>()[0] } else { 0 };
-    let own = |node: &Node<'_, '_>| matches(node) && frame != 0 && node.data.state.entering_frame() == frame;
+    let own = |node: &Node<'_, '_>| matches(node) && frame != 0 && node.data.state.entering_frame(ByWith) == frame;
     let callers = std::cell::OnceCell::new();
     let near = |node: &Node<'_, '_>| {
-        matches(node) && node.data.state.entered_near(callers.get_or_init(crate::shared::caller_frames::<4>))
+        matches(node) && node.data.state.entered_near(callers.get_or_init(crate::shared::caller_frames::<4>), ByWith)
     };
     let top_node = as_node(&top);
     let top_matches = top_node.as_ref().is_some_and(matches);
@@ -597,7 +598,7 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
         Caller,
     }
     let by = if state.is_some()
-        || (top_matches && top_node.as_ref().is_some_and(|n| n.data.state.entering_frame() == frame))
+        || (top_matches && top_node.as_ref().is_some_and(|n| n.data.state.entering_frame(ByWith) == frame))
     {
         By::Innermost
     } else if any_from(&top, &own) {

@@ -8,7 +8,7 @@ use std::cell::{RefCell, UnsafeCell};
 use std::ffi::{c_char, c_void};
 use std::mem::ManuallyDrop;
 use std::ptr::{null_mut, NonNull};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::ffi;
@@ -267,13 +267,17 @@ pub(crate) struct ScopeState {
     /// none): the one place, besides its own thread, where an exit of it is its owner's (a
     /// generator or coroutine finalised on another thread runs its exit in that frame, or in a
     /// wrapper's frame called from it where `with` entered a wrapper that entered it).
-    /// Only a frame that lives until the scope's exit ([`lives_to_its_exit`]: a `with`
-    /// statement's, a generator's), so that no later frame can take its address while the scope
-    /// is open: the frame of a helper that entered it and returned could be followed at its
-    /// address by the frame of a call of the same helper that exits it. No reference is held: it
-    /// would keep the frame's locals alive after it returned (the loop form's iterator among
-    /// them, which ends its cycle when freed). None for the loop form's scopes (`held`).
+    /// Only a frame that lives until the scope's exit ([`lives_to_its_exit`]), so that no later
+    /// frame can take its address while the scope is open: the frame of a helper that entered it
+    /// and returned could be followed at its address by the frame of a call of the same helper
+    /// that exits it. No reference is held: it would keep the frame's locals alive after it
+    /// returned (the loop form's iterator among them, which ends its cycle when freed). None for
+    /// the loop form's scopes (`held`).
     frames: [AtomicUsize; 2],
+    /// Whether `frames` were recorded at a `with` statement's entry, which runs until the
+    /// statement's exit; else by a generator or coroutine that entered by hand, which most
+    /// likely lives to its exit but can end first ([`Recorded`]).
+    by_with: AtomicBool,
     /// A level nested in a cycle that ended under it (the cycle's scope unlinked while this one,
     /// above it, was still open): the level ended with the cycle, and its exit only unwinds.
     orphaned: AtomicBool,
@@ -287,7 +291,7 @@ pub(crate) struct ScopeState {
 
 impl ScopeState {
     pub fn new(cycle: bool, task: usize, held: bool) -> Arc<Self> {
-        let frames = if held { [0; 2] } else { entry_frames() };
+        let (frames, by_with) = if held { ([0; 2], false) } else { entry_frames() };
         Arc::new(ScopeState {
             thread: thread_ident(),
             open: AtomicBool::new(true),
@@ -295,6 +299,7 @@ impl ScopeState {
             task,
             context: AtomicUsize::new(0),
             frames: frames.map(AtomicUsize::new),
+            by_with: AtomicBool::new(by_with),
             orphaned: AtomicBool::new(false),
             capturing: AtomicBool::new(true),
             held,
@@ -351,15 +356,24 @@ impl ScopeState {
     /// under the one running an exit, [`caller_frames`]): a wrapper's `__enter__` entered it and
     /// its `__exit__` exits it, both called by the owner's `with` (some wrappers exit through more
     /// than one frame of their own).
-    pub fn entered_near(&self, now: &[usize]) -> bool {
+    pub fn entered_near(&self, now: &[usize], recorded: Recorded) -> bool {
         let caller = self.frames[1].load(Ordering::Relaxed);
-        caller != 0 && now[1..].contains(&caller)
+        caller != 0 && self.trusted(recorded) && now[1..].contains(&caller)
     }
 
-    /// The address of the frame that entered it (0: none).
+    /// The address of the frame that entered it (0: none, or not recorded as `recorded` asks).
     #[inline]
-    pub fn entering_frame(&self) -> usize {
-        self.frames[0].load(Ordering::Relaxed)
+    pub fn entering_frame(&self, recorded: Recorded) -> usize {
+        if self.trusted(recorded) {
+            self.frames[0].load(Ordering::Relaxed)
+        } else {
+            0
+        }
+    }
+
+    #[inline]
+    fn trusted(&self, recorded: Recorded) -> bool {
+        recorded == Recorded::Any || self.by_with.load(Ordering::Relaxed)
     }
 
     /// Forgets the frames that entered it: closed, it is no exit's to take.
@@ -386,9 +400,11 @@ impl ScopeState {
     pub fn reopen(&self, cycle: bool) {
         self.cycle.store(cycle, Ordering::Relaxed);
         if !self.held {
-            for (at, f) in self.frames.iter().zip(entry_frames()) {
+            let (frames, by_with) = entry_frames();
+            for (at, f) in self.frames.iter().zip(frames) {
                 at.store(f, Ordering::Relaxed);
             }
+            self.by_with.store(by_with, Ordering::Relaxed);
         }
         self.orphaned.store(false, Ordering::Relaxed);
         self.open.store(true, Ordering::Relaxed);
@@ -549,8 +565,8 @@ pub(crate) fn entered_here(scopes: &[Arc<ScopeState>]) -> Option<usize> {
     let now = caller_frames::<4>();
     scopes
         .iter()
-        .rposition(|s| now[0] != 0 && s.entering_frame() == now[0])
-        .or_else(|| scopes.iter().rposition(|s| s.entered_near(&now)))
+        .rposition(|s| now[0] != 0 && s.entering_frame(Recorded::Any) == now[0])
+        .or_else(|| scopes.iter().rposition(|s| s.entered_near(&now, Recorded::Any)))
 }
 
 /// The `N` innermost Python frames of this thread (their addresses, innermost first), 0 for each
@@ -586,23 +602,42 @@ pub(crate) fn caller_frames<const N: usize>() -> [usize; N] {
     out
 }
 
+/// Which recorded frames an exit may take a scope by ([`ScopeState::entering_frame`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Recorded {
+    /// Only those recorded at a `with` statement's entry: an exit on the scope's own thread,
+    /// which takes the innermost scope where none matches.
+    ByWith,
+    /// Those of a generator or coroutine that entered by hand too: an exit from elsewhere (a
+    /// generator finalised on another thread), which is refused where none matches.
+    Any,
+}
+
 /// The two innermost Python frames of this thread ([`caller_frames`]), where a scope is entered,
 /// each kept only where it lives until the scope's exit ([`lives_to_its_exit`]): the first where
 /// it entered the scope itself; else the second, where it entered a wrapper that entered it.
-fn entry_frames() -> [usize; 2] {
+/// With them, whether they were recorded at a `with` statement's entry.
+fn entry_frames() -> ([usize; 2], bool) {
     let [first] = caller_frames::<1>();
-    if first != 0 && lives_to_its_exit(first) {
-        return [first, 0];
+    if let Some(by_with) = lives_to_its_exit(first) {
+        return ([first, 0], by_with);
     }
     let [_, second] = caller_frames::<2>();
-    [0, if second != 0 && lives_to_its_exit(second) { second } else { 0 }]
+    match lives_to_its_exit(second) {
+        Some(by_with) => ([0, second], by_with),
+        None => ([0, 0], false),
+    }
 }
 
 /// The opcode of `BEFORE_WITH`, which calls a `with` statement's `__enter__`, on the running
 /// interpreter (`opcode.opmap`); 0 (`CACHE`, never executed) where it has none.
 static BEFORE_WITH: AtomicU8 = AtomicU8::new(0);
 
-/// Learns the running interpreter's `BEFORE_WITH` (at import).
+/// `"co_flags"`, interned (made at import, kept for the process).
+static CO_FLAGS: AtomicPtr<ffi::PyObject> = AtomicPtr::new(null_mut());
+
+/// Learns the running interpreter's `BEFORE_WITH`, and interns the name of code objects' flags
+/// (at import).
 pub fn init_frames(py: Python<'_>) {
     let v = py.version_info();
     let op = match (v.major, v.minor) {
@@ -612,27 +647,35 @@ pub fn init_frames(py: Python<'_>) {
         _ => 0,
     };
     BEFORE_WITH.store(op, Ordering::Relaxed);
+    let name = pyo3::types::PyString::intern(py, "co_flags").unbind();
+    CO_FLAGS.store(name.into_ptr(), Ordering::Relaxed);
 }
 
 /// The code flags of generators, coroutines and asynchronous generators (`inspect.CO_*`).
 const CO_SUSPENDABLE: std::ffi::c_long = 0x20 | 0x80 | 0x100 | 0x200;
 
-/// Whether `frame` (a live frame object of this thread, entering a scope) lives until that
-/// scope's exit, so that no other frame can take its address while the scope is open: it runs a
-/// `with` statement's entry (its current instruction is `BEFORE_WITH`; the statement's exit
-/// runs in it), or it is a generator's or coroutine's, which outlives its suspensions and runs
-/// its exits when closed. A plain function that entered a scope can return with it open. False
-/// where it cannot be told (for want of memory: the error is cleared).
-fn lives_to_its_exit(frame: usize) -> bool {
+/// Whether `frame` (a live frame object of this thread, entering a scope; 0: none) lives until
+/// that scope's exit, so that no other frame can take its address while the scope is open:
+/// `Some(true)` where it runs a `with` statement's entry (its current instruction is
+/// `BEFORE_WITH`; the statement's exit runs in it); `Some(false)` where it is a generator's or
+/// coroutine's, which outlives its suspensions and runs its exits when closed, unless it ends
+/// first; `None` otherwise (a plain function can return with the scope open), and where it
+/// cannot be told (for want of memory: the error is cleared).
+fn lives_to_its_exit(frame: usize) -> Option<bool> {
+    if frame == 0 {
+        return None;
+    }
     let frame = frame as *mut ffi::PyFrameObject;
     let op = BEFORE_WITH.load(Ordering::Relaxed);
+    let co_flags = CO_FLAGS.load(Ordering::Relaxed);
     // SAFETY: the GIL is held (scopes are entered from Python) and `frame` is a running frame,
-    // alive. `PyFrame_GetCode` returns a new reference (never null); `PyCode_GetCode` a new
-    // reference to the code's bytes as `co_code` gives them (instrumentation and specialisation
-    // undone; cached in the code object), or null with an error set; `PyFrame_GetLasti` the
-    // byte offset of the instruction running, checked against the bytes' length before it is
-    // read. `co_flags` is an `int` attribute of every code object (null with an error set where
-    // it cannot be read).
+    // alive; no error is set on entry (the bindings' methods run with none). `PyFrame_GetCode`
+    // returns a new reference (never null); `PyCode_GetCode` a new reference to the code's bytes
+    // as `co_code` gives them (instrumentation and specialisation undone; cached in the code
+    // object), or null with an error set; `PyFrame_GetLasti` the byte offset of the instruction
+    // running, checked against the bytes' length before it is read. `co_flags` (interned at
+    // import, never freed) is an `int` attribute of every code object (null with an error set
+    // where it cannot be read).
     unsafe {
         let code = PyFrame_GetCode(frame);
         let bytes = if op == 0 { null_mut() } else { PyCode_GetCode(code) };
@@ -643,8 +686,8 @@ fn lives_to_its_exit(frame: usize) -> bool {
             ffi::Py_DECREF(bytes);
             is
         };
-        let suspendable = !with && {
-            let flags = ffi::PyObject_GetAttrString(code, c"co_flags".as_ptr());
+        let suspendable = !with && !co_flags.is_null() && {
+            let flags = ffi::PyObject_GetAttr(code, co_flags);
             !flags.is_null() && {
                 let flags_value = ffi::PyLong_AsLong(flags);
                 ffi::Py_DECREF(flags);
@@ -655,7 +698,7 @@ fn lives_to_its_exit(frame: usize) -> bool {
         if !ffi::PyErr_Occurred().is_null() {
             ffi::PyErr_Clear();
         }
-        with || suspendable
+        (with || suspendable).then_some(with)
     }
 }
 
