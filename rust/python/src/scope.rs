@@ -587,7 +587,9 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     let own = |node: &Node<'_, '_>| matches(node) && frame != 0 && node.data.state.entering_frame(ByWith) == frame;
     let callers = std::cell::OnceCell::new();
     let near = |node: &Node<'_, '_>| {
-        matches(node) && node.data.state.entered_near(callers.get_or_init(crate::shared::caller_frames::<4>), ByWith)
+        matches(node) && node.data.state.entering_caller(ByWith) != 0 && {
+            node.data.state.entered_near(callers.get_or_init(crate::shared::caller_frames::<4>), ByWith)
+        }
     };
     let top_node = as_node(&top);
     let top_matches = top_node.as_ref().is_some_and(matches);
@@ -601,12 +603,22 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
         || (top_matches && top_node.as_ref().is_some_and(|n| n.data.state.entering_frame(ByWith) == frame))
     {
         By::Innermost
-    } else if any_from(&top, &own) {
-        By::Frame
-    } else if any_from(&top, &near) {
-        By::Caller
     } else {
-        By::Innermost
+        // One walk down the stack: a scope the exiting frame entered comes first wherever it is.
+        let mut by = By::Innermost;
+        let mut cursor = top.clone();
+        while let Some(node) = as_node(&cursor) {
+            if own(&node) {
+                by = By::Frame;
+                break;
+            }
+            if matches!(by, By::Innermost) && near(&node) {
+                by = By::Caller;
+            }
+            let next = node.below();
+            cursor = next;
+        }
+        by
     };
     if let (Some(node), true, By::Innermost) = (top_node.as_ref(), top_matches, by) {
         node.data.state.close();
@@ -687,19 +699,6 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
 #[inline(always)]
 fn exit_matches(node: &Node<'_, '_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState>>) -> bool {
     node.key_is(key) && node.is_here() && state.map_or(!node.data.state.held, |s| Arc::ptr_eq(s, &node.data.state))
-}
-
-/// Whether `matches` holds for a node from `top` down.
-fn any_from(top: &Bound<'_, PyAny>, matches: &impl Fn(&Node<'_, '_>) -> bool) -> bool {
-    let mut cursor = top.clone();
-    while let Some(node) = as_node(&cursor) {
-        if matches(&node) {
-            return true;
-        }
-        let next = node.below();
-        cursor = next;
-    }
-    false
 }
 
 pub fn describe(owner: &Bound<'_, PyAny>) -> String {

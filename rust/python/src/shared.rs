@@ -357,8 +357,19 @@ impl ScopeState {
     /// its `__exit__` exits it, both called by the owner's `with` (some wrappers exit through more
     /// than one frame of their own).
     pub fn entered_near(&self, now: &[usize], recorded: Recorded) -> bool {
-        let caller = self.frames[1].load(Ordering::Relaxed);
-        caller != 0 && self.trusted(recorded) && now[1..].contains(&caller)
+        let caller = self.entering_caller(recorded);
+        caller != 0 && now[1..].contains(&caller)
+    }
+
+    /// The address of the frame that called the one that entered it, where a wrapper entered it
+    /// (0: none, or not recorded as `recorded` asks).
+    #[inline]
+    pub fn entering_caller(&self, recorded: Recorded) -> usize {
+        if self.trusted(recorded) {
+            self.frames[1].load(Ordering::Relaxed)
+        } else {
+            0
+        }
     }
 
     /// The address of the frame that entered it (0: none, or not recorded as `recorded` asks).
@@ -636,8 +647,12 @@ static BEFORE_WITH: AtomicU8 = AtomicU8::new(0);
 /// `"co_flags"`, interned (made at import, kept for the process).
 static CO_FLAGS: AtomicPtr<ffi::PyObject> = AtomicPtr::new(null_mut());
 
-/// Learns the running interpreter's `BEFORE_WITH`, and interns the name of code objects' flags
-/// (at import).
+/// Where a code object holds its flags (a C `int`), as the interpreter's own member table for
+/// `co_flags` says (0: not found; then the attribute is read).
+static CO_FLAGS_OFFSET: AtomicUsize = AtomicUsize::new(0);
+
+/// Learns the running interpreter's `BEFORE_WITH` and where code objects hold their flags, and
+/// interns the name of the flags (at import).
 pub fn init_frames(py: Python<'_>) {
     let v = py.version_info();
     let op = match (v.major, v.minor) {
@@ -649,6 +664,57 @@ pub fn init_frames(py: Python<'_>) {
     BEFORE_WITH.store(op, Ordering::Relaxed);
     let name = pyo3::types::PyString::intern(py, "co_flags").unbind();
     CO_FLAGS.store(name.into_ptr(), Ordering::Relaxed);
+    let code_type = py.import("types").and_then(|types| pyo3::types::PyAnyMethods::getattr(types.as_any(), "CodeType"));
+    if let Ok(code_type) = code_type {
+        // SAFETY: the GIL is held; `code_type` is a type object (`types.CodeType`, the type of
+        // every code object), alive while it is borrowed here. `PyType_GetSlot` reads any type's
+        // slots (3.10+); its member table, where it has one, is an array ended by an entry
+        // without a name, each name a C string.
+        unsafe {
+            let members = ffi::PyType_GetSlot(code_type.as_ptr().cast(), ffi::Py_tp_members).cast::<ffi::PyMemberDef>();
+            let mut at = members;
+            while !at.is_null() && !(*at).name.is_null() {
+                let m = &*at;
+                if std::ffi::CStr::from_ptr(m.name) == c"co_flags" && m.type_code == ffi::Py_T_INT && m.offset > 0 {
+                    CO_FLAGS_OFFSET.store(m.offset as usize, Ordering::Relaxed);
+                    break;
+                }
+                at = at.add(1);
+            }
+            if !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+            }
+        }
+    }
+}
+
+/// The flags of `code` (a live code object; with the GIL held), or `None` where they could not
+/// be read (an error is then set).
+///
+/// # Safety
+/// The GIL is held and `code` is a live code object.
+unsafe fn code_flags(code: *mut ffi::PyObject) -> Option<std::ffi::c_long> {
+    let offset = CO_FLAGS_OFFSET.load(Ordering::Relaxed);
+    if offset != 0 {
+        // SAFETY: (the caller's, and `init_frames`') `code` is a code object, which holds its
+        // flags as a C `int` at the offset the interpreter's member table gives for `co_flags`.
+        return Some(unsafe { code.cast::<u8>().add(offset).cast::<std::ffi::c_int>().read_unaligned() }.into());
+    }
+    let name = CO_FLAGS.load(Ordering::Relaxed);
+    if name.is_null() {
+        return None;
+    }
+    // SAFETY: (the caller's) `co_flags` (interned at import, never freed) is an `int` attribute
+    // of every code object; null with an error set where it cannot be read.
+    unsafe {
+        let flags = ffi::PyObject_GetAttr(code, name);
+        if flags.is_null() {
+            return None;
+        }
+        let value = ffi::PyLong_AsLong(flags);
+        ffi::Py_DECREF(flags);
+        Some(value)
+    }
 }
 
 /// The code flags of generators, coroutines and asynchronous generators (`inspect.CO_*`).
@@ -667,15 +733,13 @@ fn lives_to_its_exit(frame: usize) -> Option<bool> {
     }
     let frame = frame as *mut ffi::PyFrameObject;
     let op = BEFORE_WITH.load(Ordering::Relaxed);
-    let co_flags = CO_FLAGS.load(Ordering::Relaxed);
     // SAFETY: the GIL is held (scopes are entered from Python) and `frame` is a running frame,
     // alive; no error is set on entry (the bindings' methods run with none). `PyFrame_GetCode`
     // returns a new reference (never null); `PyCode_GetCode` a new reference to the code's bytes
     // as `co_code` gives them (instrumentation and specialisation undone; cached in the code
     // object), or null with an error set; `PyFrame_GetLasti` the byte offset of the instruction
-    // running, checked against the bytes' length before it is read. `co_flags` (interned at
-    // import, never freed) is an `int` attribute of every code object (null with an error set
-    // where it cannot be read).
+    // running, checked against the bytes' length before it is read. `code` is a live code
+    // object ([`code_flags`]).
     unsafe {
         let code = PyFrame_GetCode(frame);
         let bytes = if op == 0 { null_mut() } else { PyCode_GetCode(code) };
@@ -686,14 +750,7 @@ fn lives_to_its_exit(frame: usize) -> Option<bool> {
             ffi::Py_DECREF(bytes);
             is
         };
-        let suspendable = !with && !co_flags.is_null() && {
-            let flags = ffi::PyObject_GetAttr(code, co_flags);
-            !flags.is_null() && {
-                let flags_value = ffi::PyLong_AsLong(flags);
-                ffi::Py_DECREF(flags);
-                flags_value & CO_SUSPENDABLE != 0
-            }
-        };
+        let suspendable = !with && code_flags(code).is_some_and(|flags| flags & CO_SUSPENDABLE != 0);
         ffi::Py_DECREF(code);
         if !ffi::PyErr_Occurred().is_null() {
             ffi::PyErr_Clear();
