@@ -382,6 +382,7 @@ impl ScopeState {
         }
     }
 
+    /// Whether its frames count for an exit that takes those `recorded` asks.
     #[inline]
     fn trusted(&self, recorded: Recorded) -> bool {
         recorded == Recorded::Any || self.by_with.load(Ordering::Relaxed)
