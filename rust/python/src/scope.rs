@@ -584,12 +584,14 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     use crate::shared::Recorded::ByWith;
     let matches = |node: &Node<'_, '_>| exit_matches(node, key, state);
     let frame = if state.is_none() { crate::shared::caller_frames::<1>()[0] } else { 0 };
-    let own = |node: &Node<'_, '_>| matches(node) && frame != 0 && node.data.state.entering_frame(ByWith) == frame;
+    // Of a node `matches` holds for: its scope entered by the exiting frame, or by a wrapper it
+    // called (the callers read only for a scope a wrapper entered).
+    let own = |node: &Node<'_, '_>| frame != 0 && node.data.state.entering_frame(ByWith) == frame;
     let callers = std::cell::OnceCell::new();
     let near = |node: &Node<'_, '_>| {
-        matches(node) && node.data.state.entering_caller(ByWith) != 0 && {
-            node.data.state.entered_near(callers.get_or_init(crate::shared::caller_frames::<4>), ByWith)
-        }
+        let state = &node.data.state;
+        state.entering_caller(ByWith) != 0
+            && state.entered_near(callers.get_or_init(crate::shared::caller_frames::<4>), ByWith)
     };
     let top_node = as_node(&top);
     let top_matches = top_node.as_ref().is_some_and(matches);
@@ -608,12 +610,14 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
         let mut by = By::Innermost;
         let mut cursor = top.clone();
         while let Some(node) = as_node(&cursor) {
-            if own(&node) {
-                by = By::Frame;
-                break;
-            }
-            if matches!(by, By::Innermost) && near(&node) {
-                by = By::Caller;
+            if matches(&node) {
+                if own(&node) {
+                    by = By::Frame;
+                    break;
+                }
+                if matches!(by, By::Innermost) && near(&node) {
+                    by = By::Caller;
+                }
             }
             let next = node.below();
             cursor = next;
@@ -631,8 +635,8 @@ pub fn pop(py: Python<'_>, key: &Bound<'_, PyAny>, state: Option<&Arc<ScopeState
     }
     let matches = |node: &Node<'_, '_>| match by {
         By::Innermost => matches(node),
-        By::Frame => own(node),
-        By::Caller => near(node),
+        By::Frame => matches(node) && own(node),
+        By::Caller => matches(node) && near(node),
     };
     // Out of order, or over closed nodes: find the scope, rebuild the open nodes above it.
     let mut above: Vec<Bound<'_, PyAny>> = Vec::new();

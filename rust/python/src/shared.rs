@@ -8,7 +8,7 @@ use std::cell::{RefCell, UnsafeCell};
 use std::ffi::{c_char, c_void};
 use std::mem::ManuallyDrop;
 use std::ptr::{null_mut, NonNull};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::ffi;
@@ -645,15 +645,12 @@ fn entry_frames() -> ([usize; 2], bool) {
 /// interpreter (`opcode.opmap`); 0 (`CACHE`, never executed) where it has none.
 static BEFORE_WITH: AtomicU8 = AtomicU8::new(0);
 
-/// `"co_flags"`, interned (made at import, kept for the process).
-static CO_FLAGS: AtomicPtr<ffi::PyObject> = AtomicPtr::new(null_mut());
-
 /// Where a code object holds its flags (a C `int`), as the interpreter's own member table for
-/// `co_flags` says (0: not found; then the attribute is read).
+/// `co_flags` says (0: not found; then no frame is told a generator's).
 static CO_FLAGS_OFFSET: AtomicUsize = AtomicUsize::new(0);
 
-/// Learns the running interpreter's `BEFORE_WITH` and where code objects hold their flags, and
-/// interns the name of the flags (at import).
+/// Learns the running interpreter's `BEFORE_WITH` and where code objects hold their flags (at
+/// import).
 pub fn init_frames(py: Python<'_>) {
     let v = py.version_info();
     let op = match (v.major, v.minor) {
@@ -663,8 +660,6 @@ pub fn init_frames(py: Python<'_>) {
         _ => 0,
     };
     BEFORE_WITH.store(op, Ordering::Relaxed);
-    let name = pyo3::types::PyString::intern(py, "co_flags").unbind();
-    CO_FLAGS.store(name.into_ptr(), Ordering::Relaxed);
     let code_type = py.import("types").and_then(|types| pyo3::types::PyAnyMethods::getattr(types.as_any(), "CodeType"));
     if let Ok(code_type) = code_type {
         // SAFETY: the GIL is held; `code_type` is a type object (`types.CodeType`, the type of
@@ -689,33 +684,15 @@ pub fn init_frames(py: Python<'_>) {
     }
 }
 
-/// The flags of `code` (a live code object; with the GIL held), or `None` where they could not
-/// be read (an error is then set).
+/// The flags of `code` (a live code object), where the member table told where they lie.
 ///
 /// # Safety
-/// The GIL is held and `code` is a live code object.
+/// `code` is a live code object.
 unsafe fn code_flags(code: *mut ffi::PyObject) -> Option<std::ffi::c_long> {
     let offset = CO_FLAGS_OFFSET.load(Ordering::Relaxed);
-    if offset != 0 {
-        // SAFETY: (the caller's, and `init_frames`') `code` is a code object, which holds its
-        // flags as a C `int` at the offset the interpreter's member table gives for `co_flags`.
-        return Some(unsafe { code.cast::<u8>().add(offset).cast::<std::ffi::c_int>().read_unaligned() }.into());
-    }
-    let name = CO_FLAGS.load(Ordering::Relaxed);
-    if name.is_null() {
-        return None;
-    }
-    // SAFETY: (the caller's) `co_flags` (interned at import, never freed) is an `int` attribute
-    // of every code object; null with an error set where it cannot be read.
-    unsafe {
-        let flags = ffi::PyObject_GetAttr(code, name);
-        if flags.is_null() {
-            return None;
-        }
-        let value = ffi::PyLong_AsLong(flags);
-        ffi::Py_DECREF(flags);
-        Some(value)
-    }
+    // SAFETY: (the caller's, and `init_frames`') `code` is a code object, which holds its flags
+    // as a C `int` at the offset the interpreter's member table gives for `co_flags`.
+    (offset != 0).then(|| unsafe { code.cast::<u8>().add(offset).cast::<std::ffi::c_int>().read_unaligned() }.into())
 }
 
 /// The code flags of generators, coroutines and asynchronous generators (`inspect.CO_*`).
