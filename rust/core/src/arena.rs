@@ -44,6 +44,16 @@ const TAIL_GRANT: usize = 2 << 20;
 /// (a few microseconds) against a write of a megabyte or more.
 pub const ZERO_SPARING_MIN: usize = 1 << 20;
 
+/// A block carved from memory not resident before, and a free run lying idle, of at least this
+/// many bytes: glibc's largest mapping threshold, from which NumPy's allocator maps every block of
+/// its own and unmaps it at its free, so that a plain process holds no free memory of such blocks
+/// and faults each one in afresh ([`ArenaRegion::give_back_idle`]).
+pub const GIVE_BACK_MIN: usize = 32 << 20;
+
+/// Blocks of the large list looked at for idle runs of [`GIVE_BACK_MIN`] bytes: a bound on the
+/// cost of the look, made only where a large block takes memory not resident.
+const GIVE_BACK_SCAN: usize = 1024;
+
 /// Where the data of blocks of the classes from [`PAGE_ALIGNED_FROM`] on starts (see there).
 pub(crate) const LARGE_DATA_ALIGN: usize = 4096;
 
@@ -338,6 +348,9 @@ pub struct ArenaRegion {
     dirty_end: usize,
     /// Bytes from the start made resident when the region was mapped (pre-faulted).
     prefaulted: usize,
+    /// The offsets between which pages went back to the system since the last pre-fault over
+    /// them ([`ArenaRegion::give_back_idle`]; `(NONE, 0)`: none).
+    given_back: (usize, usize),
     /// The LIFO free lists by class; None in a circular region.
     lists: Option<Box<FreeLists>>,
     /// Whether the data of free blocks is poisoned for AddressSanitizer (host memory only).
@@ -413,6 +426,7 @@ impl ArenaRegion {
             live_prefix: 0,
             dirty_end: 0,
             prefaulted: 0,
+            given_back: (NONE, 0),
             lists,
             poisons: meta == data,
         };
@@ -473,6 +487,9 @@ impl ArenaRegion {
         self.backend.populate(self.data, len);
         let added = len - self.prefaulted;
         self.prefaulted = len;
+        if len >= self.given_back.1 {
+            self.given_back = (NONE, 0);
+        }
         added
     }
 
@@ -548,6 +565,155 @@ impl ArenaRegion {
             let end = NonNull::new_unchecked(b as *mut u8);
             self.backend.zero(p, a - start).is_ok() && self.backend.zero(end, start + len - b).is_ok()
         }
+    }
+
+    /// The block of `slot` bytes at `off`, just carved, is a large one: where it lies on memory
+    /// not resident and the region holds idle free runs of [`GIVE_BACK_MIN`] bytes and more, as
+    /// much of them goes back to the system ([`ArenaRegion::give_back_idle`]). Returns the bytes
+    /// given back.
+    #[cold]
+    #[inline(never)]
+    pub fn give_back_for(&mut self, off: usize, slot: usize) -> usize {
+        // Memory carved by earlier cycles or pre-faulted, where nothing went back since, is
+        // taken as resident without asking (a block never written is not, and gives nothing
+        // back: the look errs towards keeping memory).
+        let end = off + slot;
+        let resident =
+            end <= self.dirty_end.max(self.prefaulted) && (end <= self.given_back.0 || off >= self.given_back.1);
+        if resident || !self.has_idle_run() {
+            return 0;
+        }
+        let (a, b) = crate::backend::whole_pages(self.data.as_ptr() as usize + off + HEADER, slot - HEADER);
+        if a >= b {
+            return 0;
+        }
+        let mut absent = 0;
+        // SAFETY: `a` lies inside the block, inside the mapping: not null.
+        let pages = unsafe { NonNull::new_unchecked(a as *mut u8) };
+        if !crate::backend::resident_runs(pages, b - a, |_, len, resident| absent += if resident { 0 } else { len }) {
+            return 0;
+        }
+        self.give_back_idle(absent)
+    }
+
+    /// Whether a free run of [`GIVE_BACK_MIN`] bytes or more lies idle: the hole, or one of the
+    /// first [`GIVE_BACK_SCAN`] blocks of the large list.
+    fn has_idle_run(&self) -> bool {
+        if self.idle_hole().1 - self.idle_hole().0 >= GIVE_BACK_MIN {
+            return true;
+        }
+        let Some(l) = self.lists.as_deref() else { return false };
+        let mut at = if l.nonempty.contains(ORDERED) { l.heads[ORDERED] } else { NONE };
+        for _ in 0..GIVE_BACK_SCAN {
+            if at == NONE {
+                break;
+            }
+            let h = self.header_at(at);
+            if h.slot >= GIVE_BACK_MIN {
+                return true;
+            }
+            at = h.requested;
+        }
+        false
+    }
+
+    /// Gives up to `budget` bytes of resident free memory back to the system (anonymous memory,
+    /// which reads back as zeros): the resident pages of free runs of [`GIVE_BACK_MIN`] bytes and
+    /// more (the current hole, and those among the first [`GIVE_BACK_SCAN`] blocks of the large
+    /// list, [`ORDERED_SCAN`] at most),
+    /// the highest first, where a request looks last. The caller has just made as much memory
+    /// resident for one large block: the region's resident footprint then does not grow while
+    /// such runs lie idle, as NumPy's allocator gives back every block that large at its free.
+    /// Returns the bytes given back. O(listed large blocks), plus one residency question per
+    /// run given back.
+    pub fn give_back_idle(&mut self, budget: usize) -> usize {
+        if budget == 0 || !self.backend.discard_zeroes() || self.meta != self.data {
+            return 0;
+        }
+        let mut runs = [(0usize, 0usize); ORDERED_SCAN + 1];
+        let mut n = 0;
+        // The hole has no header: all of it may go.
+        let (from, to) = self.idle_hole();
+        if to - from >= GIVE_BACK_MIN {
+            runs[0] = (from, to);
+            n = 1;
+        }
+        if let Some(l) = self.lists.as_deref() {
+            let mut at = if l.nonempty.contains(ORDERED) { l.heads[ORDERED] } else { NONE };
+            for _ in 0..GIVE_BACK_SCAN {
+                if at == NONE || n == runs.len() {
+                    break;
+                }
+                let h = self.header_at(at);
+                if h.slot >= GIVE_BACK_MIN {
+                    // The header stays: the list runs through it.
+                    runs[n] = (at + HEADER, at + h.slot);
+                    n += 1;
+                }
+                at = h.requested;
+            }
+        }
+        runs[..n].sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+        let mut given = 0;
+        for &(from, to) in &runs[..n] {
+            if given >= budget {
+                break;
+            }
+            given += self.give_back_run(from, to, budget - given);
+        }
+        given
+    }
+
+    /// The current hole, as far as it may be resident: the never-carved tail up to what was
+    /// carved or pre-faulted (blocks freed back into it), else the hole.
+    fn idle_hole(&self) -> (usize, usize) {
+        if self.tail {
+            (self.cursor, self.resident_end().clamp(self.cursor, self.capacity))
+        } else {
+            (self.cursor, self.limit)
+        }
+    }
+
+    /// Gives back the resident whole pages of the free memory `[from, to)` (offsets), from its
+    /// high end, up to `budget` bytes; returns the bytes given back.
+    fn give_back_run(&mut self, from: usize, to: usize, budget: usize) -> usize {
+        let page = crate::backend::page_bytes();
+        let (a, b) = (from.next_multiple_of(page), to.min(self.capacity) / page * page);
+        if a >= b {
+            return 0;
+        }
+        let mut resident = [(0usize, 0usize); 8];
+        let mut n = 0;
+        // SAFETY: `a` lies inside the mapping, so `data + a` is not null.
+        let pages = unsafe { NonNull::new_unchecked(self.data.as_ptr().add(a)) };
+        // The highest resident runs (a few suffice: runs of one free block are few).
+        let known = crate::backend::resident_runs(pages, b - a, |off, len, is| {
+            if is {
+                if n == resident.len() {
+                    resident.copy_within(1.., 0);
+                    n -= 1;
+                }
+                resident[n] = (a + off, len);
+                n += 1;
+            }
+        });
+        if !known {
+            return 0;
+        }
+        let mut given = 0;
+        for &(off, len) in resident[..n].iter().rev() {
+            if given >= budget {
+                break;
+            }
+            let take = len.min((budget - given).next_multiple_of(page));
+            let from = off + len - take;
+            if self.discard_pages(from, off + len) {
+                given += take;
+                self.prefaulted = self.prefaulted.min(from);
+                self.given_back = (self.given_back.0.min(from), self.given_back.1.max(off + len));
+            }
+        }
+        given
     }
 
     /// Makes the region serve `capacity` bytes (whole pages) within what it has mapped, without
@@ -1833,6 +1999,65 @@ mod tests {
             free(&mut r, p);
         }
         assert_eq!(r.verify(), 0);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mincore: no page is known resident")]
+    fn a_large_block_on_memory_not_resident_gives_back_as_much_idle_free_memory_highest_first() {
+        const MIB: usize = 1 << 20;
+        let page = crate::backend::page_bytes();
+        let mut r = ArenaRegion::new(1, 7, 256 * MIB, Arc::new(AnonymousMemory), true).expect("a test region");
+        let resident = |p: NonNull<u8>, len: usize| {
+            let (a, b) = crate::backend::whole_pages(p.as_ptr() as usize, len);
+            let mut bytes = 0;
+            let known = crate::backend::resident_runs(NonNull::new(a as *mut u8).unwrap(), b - a, |_, n, is| {
+                bytes += if is { n } else { 0 };
+            });
+            assert!(known, "mincore answers for anonymous memory");
+            bytes
+        };
+        let write = |p: NonNull<u8>, len: usize| {
+            // SAFETY: a live block of `len` bytes.
+            unsafe { std::ptr::write_bytes(p.as_ptr(), 0xAB, len) };
+        };
+        let take_at = |r: &mut ArenaRegion, size: usize| {
+            let class = class_of(size).unwrap();
+            r.take(class, class_size(class) + HEADER, size, 0).unwrap()
+        };
+        // Two 40 MiB runs, resident and free, fenced apart: idle.
+        let (low, _, _) = take_at(&mut r, 40 * MIB);
+        let _fence = take(&mut r, 1000).unwrap();
+        let (high, _, _) = take_at(&mut r, 40 * MIB);
+        let _fence = take(&mut r, 1000).unwrap();
+        for p in [low, high] {
+            write(p, 40 * MIB);
+            free(&mut r, p);
+        }
+        assert_eq!((resident(low, 40 * MIB), resident(high, 40 * MIB)), (40 * MIB, 40 * MIB));
+        // A 48 MiB block (no run holds it) carved from the tail, never touched: the higher run
+        // goes back whole, then the top 8 MiB of the lower one.
+        let (big, slot, off) = take_at(&mut r, 48 * MIB);
+        assert!(big > high, "carved beyond both runs");
+        // (Transparent huge pages may have made its first pages resident with the fence's.)
+        let absent = 48 * MIB - resident(big, 48 * MIB);
+        assert!(absent > 44 * MIB, "{absent}");
+        let given = r.give_back_for(off, slot);
+        assert!(given.abs_diff(absent) <= 2 * page, "{given} given back for {absent}");
+        assert_eq!(resident(high, 40 * MIB), 0, "the higher run first");
+        let kept = resident(low, 40 * MIB);
+        assert!(kept.abs_diff(80 * MIB - absent) <= 2 * page, "{kept} of the lower run stays");
+        assert_eq!(resident(low, kept), kept, "its low end stays, where requests look first");
+        // Now resident, freed and taken again: no memory not resident, nothing goes back.
+        write(big, 48 * MIB);
+        free(&mut r, big);
+        let (again, slot, off) = take_at(&mut r, 48 * MIB);
+        assert_eq!(again, big);
+        assert_eq!(r.give_back_for(off, slot), 0, "a block on resident memory");
+        assert_eq!(resident(low, 40 * MIB), kept);
+        // The runs still serve, as they were listed.
+        assert_eq!(take_at(&mut r, 40 * MIB).0, low);
+        assert_eq!(take_at(&mut r, 40 * MIB).0, high);
+        r.verify();
     }
 
     #[test]

@@ -40,13 +40,21 @@
 //! So an arena that follows changing needs is resized within what its region maps where it can
 //! ([`ArenaRegion::resize_in_place`]), keeping what it has resident, and is not replaced by a
 //! smaller one that would give nothing back.
+//!
+//! What a cycle touched stays resident for the next ones, except where a large block (from
+//! [`GIVE_BACK_MIN`], glibc's largest mapping threshold) is carved on memory not resident while
+//! free runs that large lie idle elsewhere in the region (between blocks other cycles keep): as
+//! much of them goes back to the system ([`ArenaRegion::give_back_idle`]): the block adds
+//! nothing to what the arena holds resident. Those pages fault in again where a later block
+//! takes them, as a plain process's do, which maps every block that large afresh and unmaps it
+//! at its free.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::accounts::{largest_served, Accounts, CycleReport, WorkspaceStats};
-use crate::arena::ZERO_SPARING_MIN;
 use crate::arena::{is_live_arena, live_kind, write_live_header, ArenaRegion, BlockHeader, BlockKind, HEADER};
+use crate::arena::{GIVE_BACK_MIN, ZERO_SPARING_MIN};
 use crate::backend::{available_memory, round_to_page, AnonymousMemory, Backend, FileMappedMemory, LimitAdaptor};
 use crate::backend::{page_bytes, BLOCK_ALIGN};
 use crate::classes::{class_of, class_size, ClassSet};
@@ -1133,6 +1141,11 @@ impl Workspace {
         let region = self.regions.current_mut()?;
         let (p, slot, off) = region.take(req.class, req.slot, req.size, self.cycles.epoch)?;
         region.set_stamp(off, self.cycles.completed);
+        if inline && slot >= GIVE_BACK_MIN {
+            // A large block on memory not resident: as much of the region's idle free memory
+            // goes back to the system (see `give_back_idle`).
+            region.give_back_for(off, slot);
+        }
         // Host memory is zero-filled when mapped: never-carved memory needs no write.
         let clear = req.zeroed && !(inline && region.is_fresh(off));
         // A large one is zeroed without making more of it resident (its pages not resident now
@@ -1753,6 +1766,60 @@ mod tests {
         assert_eq!(Request::aligned(1000, 512, Some(256)).unwrap().outside, 1000 + 448);
         assert_eq!(Request::aligned(1000, 64, None).unwrap().size, 1000);
         assert!(Request::aligned(usize::MAX - 10, 256, None).is_none());
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mincore: no page is known resident")]
+    fn a_large_block_on_memory_not_resident_gives_back_a_run_left_idle_by_an_earlier_cycle() {
+        const MIB: usize = 1 << 20;
+        let resident = |p: NonNull<u8>, len: usize| {
+            let (a, b) = crate::backend::whole_pages(p.as_ptr() as usize, len);
+            let mut bytes = 0;
+            let known = crate::backend::resident_runs(NonNull::new(a as *mut u8).unwrap(), b - a, |_, n, is| {
+                bytes += if is { n } else { 0 };
+            });
+            assert!(known, "mincore answers for anonymous memory");
+            bytes
+        };
+        let config = WorkspaceConfiguration {
+            initial_size: 256 << 20,
+            policy_learning: LearningPolicy::None,
+            ..Default::default()
+        };
+        let mut w = Workspace::new("give back", config).unwrap();
+        // A cycle's 40 MiB temporary, written, beside a block kept on: its memory stays in the
+        // region, resident and free, when the next cycle opens.
+        w.enter().unwrap();
+        let temp = w.alloc(40 * MIB).unwrap();
+        let kept = w.alloc(1000).unwrap();
+        // SAFETY: a live block of 40 MiB.
+        unsafe { std::ptr::write_bytes(temp.as_ptr(), 1, 40 * MIB) };
+        // SAFETY: live, freed once.
+        unsafe { w.free(temp) };
+        w.exit().unwrap();
+        assert_eq!(resident(temp, 40 * MIB), 40 * MIB);
+        // A cycle whose 64 MiB block no free run holds: it takes memory not resident, and the
+        // idle run goes back to the system, as NumPy's allocator gives back a block that large.
+        w.enter().unwrap();
+        let big = w.alloc(64 * MIB).unwrap();
+        assert!(big > kept, "{big:?} carved beyond the kept block");
+        assert_eq!(resident(temp, 40 * MIB), 0, "the idle run went back");
+        // SAFETY: a live block of 64 MiB.
+        unsafe { std::ptr::write_bytes(big.as_ptr(), 2, 64 * MIB) };
+        // SAFETY: live, freed once.
+        unsafe { w.free(big) };
+        // The run serves again, zero-filled where asked.
+        let again = w.alloc_zeroed(40 * MIB).unwrap();
+        assert_eq!(again, temp);
+        // SAFETY: a live block of 40 MiB.
+        assert!(unsafe { std::slice::from_raw_parts(again.as_ptr(), 40 * MIB) }.iter().all(|&b| b == 0));
+        // SAFETY: live, freed once each.
+        unsafe {
+            w.free(again);
+            w.free(kept);
+        }
+        w.exit().unwrap();
+        w.verify();
     }
 
     #[test]
