@@ -2007,15 +2007,7 @@ mod tests {
         const MIB: usize = 1 << 20;
         let page = crate::backend::page_bytes();
         let mut r = ArenaRegion::new(1, 7, 256 * MIB, Arc::new(AnonymousMemory), true).expect("a test region");
-        let resident = |p: NonNull<u8>, len: usize| {
-            let (a, b) = crate::backend::whole_pages(p.as_ptr() as usize, len);
-            let mut bytes = 0;
-            let known = crate::backend::resident_runs(NonNull::new(a as *mut u8).unwrap(), b - a, |_, n, is| {
-                bytes += if is { n } else { 0 };
-            });
-            assert!(known, "mincore answers for anonymous memory");
-            bytes
-        };
+        let resident = crate::backend::resident_bytes;
         let write = |p: NonNull<u8>, len: usize| {
             // SAFETY: a live block of `len` bytes.
             unsafe { std::ptr::write_bytes(p.as_ptr(), 0xAB, len) };

@@ -449,6 +449,17 @@ pub(crate) fn resident_runs(ptr: NonNull<u8>, len: usize, mut run: impl FnMut(us
     true
 }
 
+/// Bytes of the whole pages inside `[p, p + len)` resident now. For tests: panics where the system
+/// cannot say.
+#[cfg(test)]
+pub(crate) fn resident_bytes(p: NonNull<u8>, len: usize) -> usize {
+    let (a, b) = whole_pages(p.as_ptr() as usize, len);
+    let mut bytes = 0;
+    let pages = NonNull::new(a as *mut u8).expect("a page of the block");
+    assert!(resident_runs(pages, b - a, |_, n, resident| bytes += if resident { n } else { 0 }), "mincore answers");
+    bytes
+}
+
 /// Refuses lengths no backend maps: 0 (a region holds at least one block header) and more than
 /// an address space holds.
 fn check_map_len(len: usize) -> Result<(), BackendError> {

@@ -1772,15 +1772,7 @@ mod tests {
     #[cfg_attr(miri, ignore = "Miri has no mincore: no page is known resident")]
     fn a_large_block_on_memory_not_resident_gives_back_a_run_left_idle_by_an_earlier_cycle() {
         const MIB: usize = 1 << 20;
-        let resident = |p: NonNull<u8>, len: usize| {
-            let (a, b) = crate::backend::whole_pages(p.as_ptr() as usize, len);
-            let mut bytes = 0;
-            let known = crate::backend::resident_runs(NonNull::new(a as *mut u8).unwrap(), b - a, |_, n, is| {
-                bytes += if is { n } else { 0 };
-            });
-            assert!(known, "mincore answers for anonymous memory");
-            bytes
-        };
+        let resident = crate::backend::resident_bytes;
         let config = WorkspaceConfiguration {
             initial_size: 256 << 20,
             policy_learning: LearningPolicy::None,
