@@ -580,7 +580,7 @@ impl ArenaRegion {
         let end = off + slot;
         let resident =
             end <= self.dirty_end.max(self.prefaulted) && (end <= self.given_back.0 || off >= self.given_back.1);
-        if resident || !self.has_idle_run() {
+        if resident || !self.gives_back() || !self.has_idle_run() {
             return 0;
         }
         let (a, b) = crate::backend::whole_pages(self.data.as_ptr() as usize + off + HEADER, slot - HEADER);
@@ -594,6 +594,12 @@ impl ArenaRegion {
             return 0;
         }
         self.give_back_idle(absent)
+    }
+
+    /// Whether free memory given back reads back as zeros and its headers lie in it (anonymous
+    /// host memory): only then do [`ArenaRegion::give_back_idle`]'s runs go back.
+    fn gives_back(&self) -> bool {
+        self.backend.discard_zeroes() && self.meta == self.data
     }
 
     /// Whether a free run of [`GIVE_BACK_MIN`] bytes or more lies idle: the hole, or one of the
@@ -627,7 +633,7 @@ impl ArenaRegion {
     /// Returns the bytes given back. O(listed large blocks), plus one residency question per
     /// run given back.
     pub fn give_back_idle(&mut self, budget: usize) -> usize {
-        if budget == 0 || !self.backend.discard_zeroes() || self.meta != self.data {
+        if budget == 0 || !self.gives_back() {
             return 0;
         }
         let mut runs = [(0usize, 0usize); ORDERED_SCAN + 1];
