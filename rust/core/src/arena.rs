@@ -68,6 +68,78 @@ const MAGIC_HOT: u32 = 0x5257_5348; // "RWSH"
 /// No block (the end of a free list).
 const NONE: usize = usize::MAX;
 
+/// Ranges of a region's offsets whose pages went back to the system: a few, merged into their
+/// neighbours when more come (a range standing for more than went back costs a question to the
+/// system, never memory).
+#[derive(Debug, Default, Clone, Copy)]
+struct GivenBack {
+    ranges: [(usize, usize); 8],
+    n: usize,
+}
+
+impl GivenBack {
+    fn overlaps(&self, from: usize, to: usize) -> bool {
+        self.ranges[..self.n].iter().any(|&(a, b)| a < to && from < b)
+    }
+
+    fn add(&mut self, mut from: usize, mut to: usize) {
+        // Ranges it touches merge into it.
+        let mut i = 0;
+        while i < self.n {
+            let (a, b) = self.ranges[i];
+            if a <= to && from <= b {
+                (from, to) = (from.min(a), to.max(b));
+                self.n -= 1;
+                self.ranges[i] = self.ranges[self.n];
+                // Grown, it may touch ranges already passed.
+                i = 0;
+            } else {
+                i += 1;
+            }
+        }
+        if self.n == self.ranges.len() {
+            // Full: it merges with the nearest one.
+            let gap = |&(a, b): &(usize, usize)| if b <= from { from - b } else { a.saturating_sub(to) };
+            let k = (0..self.n).min_by_key(|&k| gap(&self.ranges[k])).expect("full");
+            let (a, b) = self.ranges[k];
+            self.n -= 1;
+            self.ranges[k] = self.ranges[self.n];
+            return self.add(from.min(a), to.max(b));
+        }
+        self.ranges[self.n] = (from, to);
+        self.n += 1;
+    }
+
+    /// Takes `[from, to)` out; a range it splits stays whole where there is no room for both
+    /// parts.
+    fn remove(&mut self, from: usize, to: usize) {
+        let mut i = 0;
+        while i < self.n {
+            let (a, b) = self.ranges[i];
+            if !(a < to && from < b) {
+                i += 1;
+                continue;
+            }
+            let (low, high) = ((a < from).then_some((a, from)), (to < b).then_some((to, b)));
+            match (low, high) {
+                (None, None) => {
+                    self.n -= 1;
+                    self.ranges[i] = self.ranges[self.n];
+                    continue;
+                }
+                (Some(r), None) | (None, Some(r)) => self.ranges[i] = r,
+                (Some(l), Some(h)) if self.n < self.ranges.len() => {
+                    self.ranges[i] = l;
+                    self.ranges[self.n] = h;
+                    self.n += 1;
+                }
+                (Some(_), Some(_)) => {}
+            }
+            i += 1;
+        }
+    }
+}
+
 /// The class of a block that has none (not carved from an arena).
 pub const NO_CLASS: u16 = u16::MAX;
 
@@ -348,9 +420,9 @@ pub struct ArenaRegion {
     dirty_end: usize,
     /// Bytes from the start made resident when the region was mapped (pre-faulted).
     prefaulted: usize,
-    /// The offsets between which pages went back to the system since the last pre-fault over
-    /// them ([`ArenaRegion::give_back_idle`]; `(NONE, 0)`: none).
-    given_back: (usize, usize),
+    /// Where pages went back to the system ([`ArenaRegion::give_back_idle`]) and no block has
+    /// been found resident since.
+    given_back: GivenBack,
     /// The LIFO free lists by class; None in a circular region.
     lists: Option<Box<FreeLists>>,
     /// Whether the data of free blocks is poisoned for AddressSanitizer (host memory only).
@@ -426,7 +498,7 @@ impl ArenaRegion {
             live_prefix: 0,
             dirty_end: 0,
             prefaulted: 0,
-            given_back: (NONE, 0),
+            given_back: GivenBack::default(),
             lists,
             poisons: meta == data,
         };
@@ -487,9 +559,7 @@ impl ArenaRegion {
         self.backend.populate(self.data, len);
         let added = len - self.prefaulted;
         self.prefaulted = len;
-        if len >= self.given_back.1 {
-            self.given_back = (NONE, 0);
-        }
+        self.given_back.remove(0, len);
         added
     }
 
@@ -578,8 +648,7 @@ impl ArenaRegion {
         // taken as resident without asking (a block never written is not, and gives nothing
         // back: the look errs towards keeping memory).
         let end = off + slot;
-        let resident =
-            end <= self.dirty_end.max(self.prefaulted) && (end <= self.given_back.0 || off >= self.given_back.1);
+        let resident = end <= self.dirty_end.max(self.prefaulted) && !self.given_back.overlaps(off, end);
         if resident || !self.gives_back() || !self.has_idle_run() {
             return 0;
         }
@@ -591,6 +660,13 @@ impl ArenaRegion {
         // SAFETY: `a` lies inside the block, inside the mapping: not null.
         let pages = unsafe { NonNull::new_unchecked(a as *mut u8) };
         if !crate::backend::resident_runs(pages, b - a, |_, len, resident| absent += if resident { 0 } else { len }) {
+            return 0;
+        }
+        // The block's pages are the caller's now: found resident, or about to be written.
+        self.given_back.remove(off, end);
+        // A few pages a give-back took from under it cost less to fault in again than a give-back
+        // elsewhere, which the next large block would find missing in turn.
+        if absent < (slot / 4).min(GIVE_BACK_MIN) {
             return 0;
         }
         self.give_back_idle(absent)
@@ -626,12 +702,12 @@ impl ArenaRegion {
     /// Gives up to `budget` bytes of resident free memory back to the system (anonymous memory,
     /// which reads back as zeros): the resident pages of free runs of [`GIVE_BACK_MIN`] bytes and
     /// more (the current hole, and those among the first [`GIVE_BACK_SCAN`] blocks of the large
-    /// list, [`ORDERED_SCAN`] at most),
-    /// the highest first, where a request looks last. The caller has just made as much memory
-    /// resident for one large block: the region's resident footprint then does not grow while
-    /// such runs lie idle, as NumPy's allocator gives back every block that large at its free.
-    /// Returns the bytes given back. O(listed large blocks), plus one residency question per
-    /// run given back.
+    /// list, [`ORDERED_SCAN`] at most), the highest first, where a request looks last. The caller
+    /// found as much of one large block's memory not resident: the block then does not add to
+    /// the region's resident footprint while such runs lie idle (a zeroed block its caller
+    /// writes sparsely may take less than that, and the runs fault in again where used), as
+    /// NumPy's allocator gives back every block that large at its free. Returns the bytes given
+    /// back. O(listed large blocks), plus one residency question per run given back.
     pub fn give_back_idle(&mut self, budget: usize) -> usize {
         if budget == 0 || !self.gives_back() {
             return 0;
@@ -715,8 +791,7 @@ impl ArenaRegion {
             let from = off + len - take;
             if self.discard_pages(from, off + len) {
                 given += take;
-                self.prefaulted = self.prefaulted.min(from);
-                self.given_back = (self.given_back.0.min(from), self.given_back.1.max(off + len));
+                self.given_back.add(from, off + len);
             }
         }
         given
@@ -2005,6 +2080,30 @@ mod tests {
             free(&mut r, p);
         }
         assert_eq!(r.verify(), 0);
+    }
+
+    #[test]
+    fn ranges_given_back_merge_split_and_stay_few() {
+        let mut g = GivenBack::default();
+        g.add(100, 200);
+        g.add(300, 400);
+        g.add(200, 300); // joins both
+        assert_eq!((g.n, g.ranges[0]), (1, (100, 400)));
+        g.remove(150, 250); // splits
+        assert!(g.overlaps(100, 151) && !g.overlaps(150, 250) && g.overlaps(249, 260));
+        g.remove(0, 1000);
+        assert_eq!(g.n, 0);
+        // More ranges than it keeps: the nearest merge, and every offset added stays covered.
+        for k in 0..20 {
+            g.add(k * 1000, k * 1000 + 10);
+        }
+        assert!(g.n <= g.ranges.len());
+        assert!((0..20).all(|k| g.overlaps(k * 1000, k * 1000 + 10)));
+        assert!(!g.overlaps(20_000, 30_000));
+        // No room to split a range: it stays whole (it only costs a question).
+        assert_eq!(g.n, g.ranges.len());
+        g.remove(5, 6);
+        assert!(g.overlaps(5, 6) && g.overlaps(0, 5) && g.overlaps(6, 10), "{g:?}");
     }
 
     #[test]

@@ -44,10 +44,11 @@
 //! What a cycle touched stays resident for the next ones, except where a large block (from
 //! [`GIVE_BACK_MIN`], glibc's largest mapping threshold) is carved on memory not resident while
 //! free runs that large lie idle elsewhere in the region (between blocks other cycles keep): as
-//! much of them goes back to the system ([`ArenaRegion::give_back_idle`]): the block adds
-//! nothing to what the arena holds resident. Those pages fault in again where a later block
-//! takes them, as a plain process's do, which maps every block that large afresh and unmaps it
-//! at its free.
+//! much of them goes back to the system ([`ArenaRegion::give_back_idle`]) as the block found
+//! not resident (a quarter of it, or 32 MiB, at least: a few pages do not pay for a give-back
+//! elsewhere). Those pages fault in again where a later block takes them. A plain process maps
+//! every block that large afresh and unmaps it at its free; a run freed by smaller blocks would
+//! have stayed in its heap.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
