@@ -49,6 +49,9 @@ pub(crate) struct CycleFacts {
     pub spilled: usize,
     /// Whether blocks of earlier cycles were in the arena when the cycle opened.
     pub kept_in_arena: bool,
+    /// Whether a spill found as many bytes free in the arena as it asked for: the arena was cut
+    /// into runs too small, not too small itself (where it was, `need` counts what it lacked).
+    pub spilled_in_room: bool,
     /// Whether blocks pinned in the arena's current region at an earlier cycle's end still live
     /// at its end: a region replacing it would be added beside it until they die, which for
     /// results kept from cycle to cycle is never (state that each cycle replaces dies in the
@@ -157,7 +160,9 @@ impl CycleLearner {
             0
         };
         if c.policy_learning == LearningPolicy::Adaptive {
-            let need = facts.need.max(short);
+            // An arena too small for what the cycle had live at once grows to that need; one
+            // whose free memory was cut too small for a request grows by what spilled.
+            let need = if facts.spilled_in_room { facts.need.max(short) } else { facts.need };
             self.recent[(generation % NEED_WINDOW as u64) as usize] = need;
             self.cycles_learned += 1;
             self.initialized = true;
@@ -263,7 +268,7 @@ mod tests {
     use super::*;
 
     fn facts(need: usize, escaped: usize, spilled: usize, kept_in_arena: bool) -> CycleFacts {
-        CycleFacts { need, escaped, spilled, kept_in_arena, pinned_in_arena: false }
+        CycleFacts { need, escaped, spilled, kept_in_arena, spilled_in_room: true, pinned_in_arena: false }
     }
 
     /// One expected step: the facts of a cycle, the arena it ended with, and the sizing wanted
@@ -345,6 +350,23 @@ mod tests {
         ];
         for (case, c, steps) in cases {
             check(case, c, &steps);
+        }
+    }
+
+    #[test]
+    fn a_spill_from_an_arena_too_small_sizes_it_by_the_need_and_one_from_a_cut_up_arena_by_the_spill() {
+        // An arena of 52 MiB, empty, and a cycle of one 61 MiB block: it spilled because the
+        // arena is too small, and the cycle's need says by how much. Sized by the arena and the
+        // spill together, as a cut-up arena is, it would hold 113 MiB for a 61 MiB cycle.
+        const M: usize = 1 << 20;
+        let c = cfg(LearningPolicy::Adaptive, SpillPolicy::External);
+        let too_small = CycleFacts { spilled_in_room: false, ..facts(61 * M, 0, 61 * M, false) };
+        let cut_up = CycleFacts { spilled_in_room: true, ..too_small };
+        for (f, need) in [(too_small, 61 * M), (cut_up, 113 * M)] {
+            let mut l = CycleLearner::new(&c);
+            let got = l.end_cycle(&c, 0, f, 52 * M, true);
+            assert_eq!(l.need, need, "{f:?}");
+            assert_eq!(got, Sizing::Map { capacity: capacity_for(&c, need), prefault: need }, "{f:?}");
         }
     }
 

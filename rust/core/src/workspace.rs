@@ -205,6 +205,8 @@ struct Cycles {
     completed: u64,
     /// Slot bytes served outside an initialised arena in the open cycle.
     spilled: usize,
+    /// Whether one of its spills found as many bytes free in the arena as it asked for.
+    spilled_in_room: bool,
     /// Whether blocks of earlier cycles were in the arena when the open cycle began (beside
     /// cycles still open, whether the region held any block at the last close: a region that
     /// never rewinds fills with what such cycles keep).
@@ -733,6 +735,7 @@ impl Workspace {
             }
             self.accounts.open_cycle();
             self.cycles.spilled = 0;
+            self.cycles.spilled_in_room = false;
             self.cycles.kept_in_arena = self.regions.current().is_some_and(|r| r.live_blocks() > 0);
             self.own.peaks.open_cycle(self.accounts.external_slot);
             self.mark_cycle_start();
@@ -837,6 +840,7 @@ impl Workspace {
             // once, as the arena would have held it once.
             spilled: self.cycles.spilled.min(self.own.peaks.rise),
             kept_in_arena: self.cycles.kept_in_arena,
+            spilled_in_room: self.cycles.spilled_in_room,
             // Blocks pinned in the region at an earlier cycle's end that still live (results kept
             // from cycle to cycle, not state that this cycle replaced).
             pinned_in_arena: self.cycles.kept_here.1 > 0
@@ -856,6 +860,7 @@ impl Workspace {
         self.huge.release_stale(&*self.limit, self.cycles.completed);
         self.settle_external_cache();
         self.cycles.spilled = 0;
+        self.cycles.spilled_in_room = false;
         let (allocations, spills, arena_before) = self.cycles.opened;
         let mut report = CycleReport {
             completed: true,
@@ -1201,6 +1206,10 @@ impl Workspace {
         if spill {
             self.accounts.spills += 1;
             self.cycles.spilled = self.cycles.spilled.saturating_add(req.slot);
+            // What the arena's blocks hold (external blocks' fillers counted too: the arena is
+            // taken for fuller, never for emptier, than it is).
+            let held = self.accounts.held().saturating_sub(self.accounts.external_slot);
+            self.cycles.spilled_in_room |= req.slot <= self.regions.current_capacity().saturating_sub(held);
         }
         self.own.peaks.note(before, self.accounts.external_slot);
         Ok(p)
@@ -1813,6 +1822,27 @@ mod tests {
         }
         w.exit().unwrap();
         w.verify();
+    }
+
+    #[test]
+    fn a_block_larger_than_an_empty_arena_grows_it_to_the_cycle_s_need_not_beyond() {
+        // Batches of two sizes in turn: the arena learned from the smaller one, and the larger
+        // one's single block spills from it, empty. The arena then holds that block once more,
+        // as the cycle needed (84 MiB with its headroom), not the old arena and the spill added up
+        // (152 MiB).
+        const MIB: usize = 1 << 20;
+        let mut w = Workspace::new("batches", WorkspaceConfiguration::adaptive()).unwrap();
+        for (i, size) in [38 * MIB, 61 * MIB, 38 * MIB, 61 * MIB].into_iter().enumerate() {
+            w.enter().unwrap();
+            let a = w.alloc(size).unwrap();
+            // SAFETY: live, freed once.
+            unsafe { w.free(a) };
+            let r = w.exit().unwrap();
+            assert_eq!(r.spills, u64::from(i == 1), "{r:?}");
+            if i > 1 {
+                assert!(r.arena_after >= 61 * MIB as u64 && r.arena_after < 100 * MIB as u64, "{r:?}");
+            }
+        }
     }
 
     #[test]
