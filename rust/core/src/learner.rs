@@ -18,8 +18,11 @@
 //!
 //! Spills that happened while blocks of earlier cycles were in the arena are the arena's
 //! fragmentation around kept memory, not need: they never grow it (the external block cache
-//! serves them). Spills from an arena that held nothing kept grow it by what spilled and was
-//! outside at once (a temporary spilled again and again counts once).
+//! serves them). Spills from an arena that held nothing kept, where a spilled request found as
+//! many bytes free in the arena as it asked for (its free memory cut into runs too small), grow
+//! it by what spilled and was outside at once (a temporary spilled again and again counts once);
+//! where the arena was too small for the request itself, the cycle's need says how much it
+//! lacked, under the adaptive profile (ND4J's policies grow by the spill, as they did).
 
 use crate::backend::round_to_page;
 use crate::config::{AllocationPolicy, LearningPolicy, SpillPolicy, WorkspaceConfiguration};
