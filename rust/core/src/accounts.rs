@@ -249,7 +249,7 @@ impl Accounts {
 
     /// What the open cycle's own live blocks take in an arena, fillers included.
     #[inline(always)]
-    fn own_live(&self) -> usize {
+    pub(crate) fn own_live(&self) -> usize {
         self.live_slot - self.pinned_slot + (self.large_live - self.large_pinned) * MOST_PAD
     }
 

@@ -52,8 +52,10 @@ pub(crate) struct CycleFacts {
     pub spilled: usize,
     /// Whether blocks of earlier cycles were in the arena when the cycle opened.
     pub kept_in_arena: bool,
-    /// Whether a spill found as many bytes free in the arena as it asked for: the arena was cut
-    /// into runs too small, not too small itself (where it was, `need` counts what it lacked).
+    /// Whether a spill found as many bytes free in the arena as it asked for (counting only the
+    /// cycle's own blocks in it, so that this errs towards true): the arena was cut into runs
+    /// too small, not too small itself. Where it was too small, the cycle's own live bytes
+    /// outgrew it, and `need` counts them.
     pub spilled_in_room: bool,
     /// Whether blocks pinned in the arena's current region at an earlier cycle's end still live
     /// at its end: a region replacing it would be added beside it until they die, which for

@@ -1206,9 +1206,12 @@ impl Workspace {
         if spill {
             self.accounts.spills += 1;
             self.cycles.spilled = self.cycles.spilled.saturating_add(req.slot);
-            // What the arena's blocks hold (external blocks' fillers counted too: the arena is
-            // taken for fuller, never for emptier, than it is).
-            let held = self.accounts.held().saturating_sub(self.accounts.external_slot);
+            // What the cycle's own blocks hold in the arena (the rule matters only where no block
+            // of an earlier cycle was in the current region as the cycle opened; those in a
+            // region it replaced are not in its room). Every external block is taken off: the
+            // arena is taken for emptier, never for fuller, than it is, so that a cut-up arena
+            // is never taken for a small one.
+            let held = self.accounts.own_live().saturating_sub(self.accounts.external_slot);
             self.cycles.spilled_in_room |= req.slot <= self.regions.current_capacity().saturating_sub(held);
         }
         self.own.peaks.note(before, self.accounts.external_slot);
@@ -1822,6 +1825,45 @@ mod tests {
         }
         w.exit().unwrap();
         w.verify();
+    }
+
+    #[test]
+    fn a_cut_up_arena_grows_by_its_spills_with_a_kept_block_left_in_the_region_it_replaced() {
+        // A result kept for good in the region that the arena's growth replaced, and cycles whose
+        // 24 MiB block fits neither the holes between their 6 MiB blocks nor the tail: the arena
+        // is cut up, not too small, and grows until the spills stop. (Counting the kept block as
+        // if it were in the new region took it for too small: a spill in every cycle.)
+        const MIB: usize = 1 << 20;
+        let mut w = Workspace::new("cut up", WorkspaceConfiguration::adaptive()).unwrap();
+        let mut kept = None;
+        let mut spills = Vec::new();
+        for c in 0..16 {
+            w.enter().unwrap();
+            if c == 0 {
+                let t = w.alloc(24 * MIB).unwrap();
+                // SAFETY: live, freed once.
+                unsafe { w.free(t) };
+            } else if c == 1 {
+                kept = Some(w.alloc(28 * MIB).unwrap());
+            } else {
+                let blocks: Vec<_> = (0..10).map(|_| w.alloc(6 * MIB).unwrap()).collect();
+                let (even, odd): (Vec<_>, Vec<_>) = blocks.iter().enumerate().partition(|(i, _)| i % 2 == 0);
+                // SAFETY: live blocks, each freed once.
+                even.iter().for_each(|(_, &p)| unsafe { w.free(p) });
+                let big = w.alloc(24 * MIB).unwrap();
+                // SAFETY: live, freed once.
+                unsafe { w.free(big) };
+                // SAFETY: live blocks, each freed once.
+                odd.iter().for_each(|(_, &p)| unsafe { w.free(p) });
+            }
+            spills.push(w.exit().unwrap().spills);
+        }
+        // (A spill where the window forgets a large cycle and the arena grows back is the
+        // learner's, as without the kept block.)
+        let spilling = spills[4..].iter().filter(|&&n| n > 0).count();
+        assert!(spilling <= 2, "spills by cycle: {spills:?}");
+        // SAFETY: live, freed once.
+        unsafe { w.free(kept.expect("kept")) };
     }
 
     #[test]
