@@ -1828,10 +1828,6 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(
-        miri,
-        ignore = "the learner's sizing over regions of 50 to 170 MiB; no code path the other tests leave out"
-    )]
     fn a_cut_up_arena_grows_by_its_spills_with_a_kept_block_left_in_the_region_it_replaced() {
         // A result kept for good in the region that the arena's growth replaced, and cycles whose
         // 24 MiB block fits neither the holes between their 6 MiB blocks nor the tail: the arena
@@ -1871,10 +1867,6 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(
-        miri,
-        ignore = "the learner's sizing over regions of 50 to 170 MiB; no code path the other tests leave out"
-    )]
     fn a_block_larger_than_an_empty_arena_grows_it_to_the_cycle_s_need_not_beyond() {
         // Batches of two sizes in turn: the arena learned from the smaller one, and the larger
         // one's single block spills from it, empty. The arena then holds that block once more,
