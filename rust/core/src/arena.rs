@@ -652,13 +652,15 @@ impl ArenaRegion {
         if resident || !self.gives_back() || !self.has_idle_run() {
             return 0;
         }
-        let (a, b) = crate::backend::whole_pages(self.data.as_ptr() as usize + off + HEADER, slot - HEADER);
+        let page = crate::backend::page_bytes();
+        let (a, b) = ((off + HEADER).next_multiple_of(page), (off + slot) / page * page);
         if a >= b {
             return 0;
         }
         let mut absent = 0;
-        // SAFETY: `a` lies inside the block, inside the mapping: not null.
-        let pages = unsafe { NonNull::new_unchecked(a as *mut u8) };
+        // SAFETY: `a` lies inside the block, inside the mapping (whose base is page-aligned):
+        // not null.
+        let pages = unsafe { self.data.add(a) };
         if !crate::backend::resident_runs(pages, b - a, |_, len, resident| absent += if resident { 0 } else { len }) {
             return 0;
         }
