@@ -683,7 +683,8 @@ impl ArenaRegion {
     /// Whether a free run of [`GIVE_BACK_MIN`] bytes or more lies idle: the hole, or one of the
     /// first [`GIVE_BACK_SCAN`] blocks of the large list.
     fn has_idle_run(&self) -> bool {
-        if self.idle_hole().1 - self.idle_hole().0 >= GIVE_BACK_MIN {
+        let (from, to) = self.idle_hole();
+        if to - from >= GIVE_BACK_MIN {
             return true;
         }
         let Some(l) = self.lists.as_deref() else { return false };
