@@ -563,6 +563,23 @@ impl ArenaRegion {
         added
     }
 
+    /// Hands the region, holding no live block, to another owner: it starts over, its blocks
+    /// carry `owner`'s token and region id `id` from here on, and its mapping goes back through
+    /// `backend` (the same memory source, under the new owner's limit). What earlier cycles
+    /// carved counts as resident, as it does for the region's own blocks, so that a pre-fault
+    /// asked for by the new owner touches only what lies above.
+    pub fn hand_over(&mut self, id: u64, owner: u64, backend: Arc<dyn Backend>) {
+        debug_assert_eq!(self.live_blocks, 0);
+        self.rewind();
+        self.id = id;
+        self.owner = owner;
+        self.backend = backend;
+        if self.given_back.n == 0 {
+            let page = crate::backend::page_bytes();
+            self.prefaulted = self.prefaulted.max(self.carved_end().min(self.capacity) / page * page);
+        }
+    }
+
     /// Bytes freed since the last walk or retirement scan.
     pub fn freed_since_scan(&self) -> usize {
         self.freed_since_scan

@@ -1286,6 +1286,21 @@ impl LimitAdaptor {
         self.limit.saturating_sub(self.held())
     }
 
+    /// Stops counting the mapping of `len` bytes at `at`, made through this adaptor, which now
+    /// leaves for another owner (it goes back to the system through another source).
+    pub(crate) fn let_go(&self, at: NonNull<u8>, len: usize) {
+        self.segment(Action::SegmentFree, at, len);
+        self.held.fetch_sub(len, Ordering::Relaxed);
+    }
+
+    /// Counts a mapping of `len` bytes at `at` that another owner made and hands over (it goes
+    /// back to the system through this adaptor from now on); refused past the limit.
+    pub(crate) fn take_over(&self, at: NonNull<u8>, len: usize) -> Result<(), BackendError> {
+        self.reserve("map", len)?;
+        self.segment(Action::SegmentAlloc, at, len);
+        Ok(())
+    }
+
     fn reserve(&self, op: &'static str, len: usize) -> Result<(), BackendError> {
         let mut cur = self.held.load(Ordering::Relaxed);
         loop {

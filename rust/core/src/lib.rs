@@ -14,7 +14,7 @@
 //! own mappings), `accounts` (counters and statistics), `history` (the timeline a workspace records
 //! on request), `replay` (a recorded loop under another configuration), `config` (the policies),
 //! `backend` and `cuda` (memory sources and adaptors), `error`, `fallible` (allocation that refuses
-//! instead of aborting), `lock` (the lock the bindings keep a workspace behind), `reserve` (a global allocator with an emergency reserve), `sanitizer`
+//! instead of aborting), `lock` (the lock the bindings keep a workspace behind), `lot` (empty regions handed on between workspaces entered in turn), `reserve` (a global allocator with an emergency reserve), `sanitizer`
 //! (AddressSanitizer's poisoning).
 
 mod accounts;
@@ -31,6 +31,7 @@ pub mod history;
 mod huge;
 mod learner;
 pub mod lock;
+pub mod lot;
 mod regions;
 pub mod release;
 pub mod replay;

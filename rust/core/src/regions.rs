@@ -109,6 +109,12 @@ impl Regions {
         self.retired.try_reserve(1).is_ok()
     }
 
+    /// Takes out the current region, which holds no live block, with what it was to pre-fault.
+    pub fn take_empty_current(&mut self) -> Option<(ArenaRegion, usize)> {
+        let r = self.current.take_if(|r| r.live_blocks() == 0)?;
+        Some((r, std::mem::take(&mut self.pending_prefault)))
+    }
+
     /// Drops the current region, which holds no live block.
     pub fn drop_empty_current(&mut self) {
         debug_assert!(self.current_is_empty());

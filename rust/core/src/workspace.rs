@@ -90,6 +90,13 @@ const REFUSED_NOT_OURS: &str = "not a live block of this workspace";
 /// Workspace tokens: unique in the process, never 0.
 static NEXT_TOKEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+thread_local! {
+    /// The token of the workspace whose cycle opened last on this thread, with none open before
+    /// (0: none), among those that lend ([`Route::lends`]). One access per cycle: a thread local
+    /// of a shared library is reached through a call.
+    static LAST_OPENED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Where a live block lives, for tests and `owner` lookups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockInfo {
@@ -129,6 +136,10 @@ struct Route {
     /// Whether size classes whose blocks outlive their cycles are served outside the arena once
     /// they fragment it (the adaptive profile).
     apart: bool,
+    /// Whether its empty region may go to the lot when another workspace's cycles alternate
+    /// with its own, and it may take one from there ([`crate::lot`]): an arena of anonymous
+    /// memory that rewinds, under no limit.
+    lends: bool,
 }
 
 impl Route {
@@ -154,6 +165,13 @@ impl Route {
                 && !fail_spills
                 && config.policy_learning == LearningPolicy::Adaptive
                 && config.max_size == 0,
+            // A workspace given an initial size keeps what it was given.
+            lends: plain
+                && !always
+                && lists
+                && config.max_size == 0
+                && config.initial_size == 0
+                && backend.name() == AnonymousMemory.name(),
         }
     }
 }
@@ -189,6 +207,10 @@ const APART_AT_ONCE: u32 = 4;
 
 /// The cycles to wait after those, before the next replacement.
 const APART_WAIT: u64 = NEED_WINDOW as u64;
+
+/// Opens in a row after another workspace's cycle opened on the thread from which a workspace
+/// counts as entered in turn with others: not one that ran once after another.
+const IN_TURN: u8 = 2;
 
 /// The cycles of a workspace: how many are open, how deep, and the pinning epoch.
 #[derive(Debug, Default, Clone)]
@@ -228,6 +250,14 @@ struct Cycles {
     /// Whether the workspace was destroyed: no cycle opens again, and its memory goes back as
     /// its last blocks die. The one place this is decided.
     destroyed: bool,
+    /// Opens in a row (up to [`IN_TURN`]) at which the last cycle to open on the thread was
+    /// another workspace's: workspaces entered in turn, whose empty regions go to the lot
+    /// ([`crate::lot`]) from the [`IN_TURN`]th on.
+    turns: u8,
+    in_turn: bool,
+    /// The capacity and pre-fault of the region it parked in the lot, which the next open
+    /// replaces (0: none parked).
+    parked: (usize, usize),
     /// Whether the block allocator's free memory was returned before the workspace's first
     /// large block of its own (see [`Workspace::new_external`]).
     trimmed: bool,
@@ -315,6 +345,10 @@ unsafe impl Send for Workspace {}
 impl Drop for Workspace {
     fn drop(&mut self) {
         self.huge.release_all(&*self.limit);
+        if self.route.lends {
+            // What it parked and nobody took (perhaps not the region it parked last).
+            crate::lot::evict(self.token);
+        }
     }
 }
 
@@ -651,6 +685,80 @@ impl Workspace {
         Ok(true)
     }
 
+    /// A region from the lot that serves `cap` bytes (resized where it lies), made this
+    /// workspace's as region `id`. Taken only as a cycle opens, to be used now: a workspace sized
+    /// at a close may not open again for long, and its own new region costs nothing until then.
+    #[cold]
+    #[inline(never)]
+    fn adopt(&mut self, id: u64, cap: usize) -> Option<ArenaRegion> {
+        if cap % page_bytes() != 0 {
+            return None;
+        }
+        let mut r = crate::lot::take(cap, cap.saturating_mul(IN_PLACE_MAX))?;
+        r.hand_over(id, self.token, self.limit.clone());
+        if self.limit.take_over(r.base(), r.mapped()).is_err() {
+            // A workspace that lends has no limit to refuse; dropped, the region goes back
+            // through this one's source without having been counted there.
+            r.hand_over(id, self.token, self.limit.upstream().clone());
+            return None;
+        }
+        // Empty: it grows, or shrinks giving back the pages above, in place.
+        let _ = r.resize_in_place(cap);
+        Some(r)
+    }
+
+    /// Parks the current region, empty, in the lot for the next workspace entered in turn with
+    /// this one; the next open of this one takes a region of its size back (from the lot where
+    /// one is there). Nothing happens where the lot is busy or full of another thread's.
+    #[cold]
+    #[inline(never)]
+    fn park(&mut self) {
+        let Some((mut r, prefault)) = self.regions.take_empty_current() else { return };
+        let (id, at, len, cap) = (r.id(), r.base(), r.mapped(), r.capacity());
+        r.hand_over(0, 0, self.limit.upstream().clone());
+        self.limit.let_go(at, len);
+        match crate::lot::park(r, self.token) {
+            None => self.cycles.parked = (cap, prefault.max(self.learner.need)),
+            Some(mut r) => {
+                // Back as it was: counted again (there is no limit to refuse it).
+                r.hand_over(id, self.token, self.limit.clone());
+                let _ = self.limit.take_over(at, len);
+                self.regions.install(r, prefault);
+            }
+        }
+    }
+
+    /// Trades the current region, empty and not pre-faulted yet, for one from the lot, resident
+    /// already: each of the workspaces entered in turn maps a region of its own (at a close),
+    /// and pre-faulting them all would make as many resident.
+    #[cold]
+    #[inline(never)]
+    fn trade_for_resident(&mut self) {
+        let cap = self.regions.current_capacity();
+        let id = self.regions.take_id();
+        if let Some(r) = self.adopt(id, cap) {
+            let prefault = self.regions.take_prefault();
+            // The old region, holding no block, goes back to the system.
+            self.regions.install(r, prefault);
+        }
+    }
+
+    /// A region of the size of the one parked, at the open of a cycle: from the lot, or mapped.
+    #[cold]
+    #[inline(never)]
+    fn unpark(&mut self) {
+        let (cap, prefault) = std::mem::take(&mut self.cycles.parked);
+        if !self.accounts.overlapping() {
+            let id = self.regions.take_id();
+            if let Some(r) = self.adopt(id, cap) {
+                self.regions.install(r, prefault.min(PREFAULT_LIMIT));
+                return;
+            }
+        }
+        // A failure to map leaves the cycle serving outside the arena; the learner sizes it again.
+        let _ = self.resize_arena(cap, prefault, true);
+    }
+
     /// Whether the arena's regions may serve less than they map: no limit counts what they map,
     /// and their pages cost memory only once touched.
     fn lazily_resized(&self) -> bool {
@@ -731,6 +839,21 @@ impl Workspace {
                 // carved up: it starts over, as it would have had they died inside that cycle.
                 if let Some(r) = self.regions.current_mut().filter(|r| r.live_blocks() == 0) {
                     r.rewind();
+                }
+            }
+            if self.route.lends {
+                if rewind {
+                    // A reopen follows its own close, with nothing opened on the thread between.
+                    let last = LAST_OPENED.with(|t| t.replace(self.token));
+                    let c = &mut self.cycles;
+                    c.turns = if last != 0 && last != self.token { c.turns.saturating_add(1).min(IN_TURN) } else { 0 };
+                    c.in_turn = c.turns >= IN_TURN;
+                }
+                if self.cycles.parked.0 > 0 && self.regions.current().is_none() {
+                    self.unpark();
+                } else if self.cycles.in_turn && self.regions.has_pending_prefault() && self.regions.current_is_empty()
+                {
+                    self.trade_for_resident();
                 }
             }
             self.accounts.open_cycle();
@@ -883,6 +1006,9 @@ impl Workspace {
             self.cycles.epoch += 1;
             (report.escaped_blocks, report.escaped_bytes) = self.accounts.close_cycle(live_blocks);
             self.cycles.kept_here = self.regions.current().map_or((0, 0), |r| (r.id(), r.live_blocks()));
+            if self.cycles.in_turn && self.regions.current_is_empty() {
+                self.park();
+            }
         }
         report.pinned_bytes = self.accounts.pinned;
         self.cycles.last = report;
@@ -1473,6 +1599,15 @@ impl Workspace {
                 self.accounts.uncount_arena(size, slot);
                 // SAFETY: the header is live, not borrowed, and names the region it lies in.
                 unsafe { self.regions.release(hp, at) };
+                if self.cycles.in_turn
+                    && at == InRegion::Current
+                    && self.cycles.active == 0
+                    && !self.cycles.destroyed
+                    && self.regions.current_is_empty()
+                {
+                    // The last block a cycle of a workspace entered in turn left behind.
+                    self.park();
+                }
             }
             (BlockKind::Huge, None) => {
                 self.accounts.uncount_huge(size);
@@ -1589,6 +1724,10 @@ impl Workspace {
         // The current region retires like one replaced by growth: kept while blocks live in it.
         self.regions.retire_all();
         self.release_caches();
+        self.cycles.parked = (0, 0);
+        if self.route.lends {
+            crate::lot::evict(self.token);
+        }
     }
 
     // -- what it holds, for snapshots ---------------------------------------------------------------

@@ -138,6 +138,11 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     // refused, and bytes of it in use now.
     d.set_item("reserve_served", rustws_core::reserve::served())?;
     d.set_item("reserve_in_use", rustws_core::reserve::in_use())?;
+    // Empty regions that workspaces entered in turn hand on (see `rustws_core::lot`): how many
+    // wait now, and the bytes they serve.
+    let (parked, parked_bytes) = rustws_core::lot::parked();
+    d.set_item("parked_regions", parked)?;
+    d.set_item("parked_bytes", parked_bytes)?;
     let names = |all: &[&'static str]| all.to_vec();
     d.set_item("allocation_policies", names(&AllocationPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;
     d.set_item("learning_policies", names(&LearningPolicy::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>()))?;

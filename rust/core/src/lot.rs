@@ -1,0 +1,151 @@
+//! The lot: empty arena regions that workspaces entered in turn hand on to each other.
+//!
+//! A program that enters several workspaces one after another (one per layer of a network, as
+//! DL4J code ported to Python may) would otherwise keep one arena resident per workspace while
+//! the others run, where a plain process serves every layer from the same freed heap memory.
+//! So a workspace whose cycles alternate with another's on its thread parks its region here once
+//! the region holds no live block and no cycle of its own is open, and the next workspace that
+//! needs a region of about that size takes it over, pages resident and all, instead of mapping
+//! and pre-faulting one of its own. A region changes hands only empty: blocks carry their
+//! region's owner and id in their headers, and the new owner gives it its own.
+//!
+//! The lot holds at most [`LOT_MAX`] regions (the oldest goes back to the system when one more
+//! is parked), a region nobody took while [`LOT_AGE`] others were parked or taken goes back (the
+//! workspaces entered in turn need fewer than were made before they were found to be), and
+//! those a workspace parked go back when it is dropped. It is only ever tried: a lot another
+//! thread is using is passed by, never waited for.
+
+use crate::arena::ArenaRegion;
+use crate::lock::SpinLock;
+
+/// The most regions the lot keeps.
+pub(crate) const LOT_MAX: usize = 4;
+
+/// Parks and takes after which a region nobody took goes back to the system.
+pub(crate) const LOT_AGE: u64 = 8;
+
+/// A parked region, the token of the workspace that parked it, and when.
+struct Parked {
+    region: ArenaRegion,
+    by: u64,
+    at: u64,
+}
+
+struct Lot {
+    parked: Vec<Parked>,
+    /// Parks and takes so far.
+    events: u64,
+}
+
+impl Lot {
+    /// Counts a park or take, and moves the regions that have waited too long to `gone`
+    /// (room for [`LOT_MAX`] of them reserved).
+    fn age(&mut self, gone: &mut Vec<Parked>) {
+        self.events += 1;
+        let mut i = 0;
+        while i < self.parked.len() {
+            if self.events - self.parked[i].at > LOT_AGE && gone.len() < gone.capacity() {
+                gone.push(self.parked.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+static LOT: SpinLock<Lot> = SpinLock::new(Lot { parked: Vec::new(), events: 0 });
+
+/// The lot's lock where waiting for it is worth a little: it is held for a few list operations
+/// at a time, but a child forked while another thread held it finds it held for good, and must
+/// not hang for it (the lot just stays out of its reach).
+fn lock_briefly() -> Option<crate::lock::SpinGuard<'static, Lot>> {
+    for _ in 0..1000 {
+        if let Some(lot) = LOT.try_lock() {
+            return Some(lot);
+        }
+        std::thread::yield_now();
+    }
+    None
+}
+
+/// Room for the regions a park or take sends back to the system, made before the lot's lock is
+/// taken (none where the system has none: nothing then ages out).
+fn room_for_gone() -> Vec<Parked> {
+    let mut gone = Vec::new();
+    let _ = gone.try_reserve_exact(LOT_MAX);
+    gone
+}
+
+/// Parks `region`, empty, rewound and mapped through the bare memory source (no workspace's
+/// limit counts it), on behalf of workspace `by`. Gives it back where the lot is busy or has no
+/// room for its entry.
+#[must_use = "a region not parked is the caller's still"]
+pub(crate) fn park(region: ArenaRegion, by: u64) -> Option<ArenaRegion> {
+    debug_assert_eq!(region.live_blocks(), 0);
+    let mut gone = room_for_gone();
+    let Some(mut lot) = LOT.try_lock() else { return Some(region) };
+    let room = LOT_MAX.saturating_sub(lot.parked.len());
+    if lot.parked.try_reserve_exact(room).is_err() {
+        return Some(region);
+    }
+    lot.age(&mut gone);
+    let oldest = (lot.parked.len() >= LOT_MAX).then(|| lot.parked.remove(0));
+    let at = lot.events;
+    lot.parked.push(Parked { region, by, at });
+    drop(lot);
+    // Unmapped outside the lock.
+    drop((oldest, gone));
+    None
+}
+
+/// Takes a parked region that can serve `capacity` bytes in place: one mapping at least that
+/// much and at most `max_mapped` bytes, the one serving closest above `capacity` first (the
+/// fewest pages given back to shrink it), else the one serving most below it (the fewest to
+/// fault in to grow it); among equals, the one parked last.
+pub(crate) fn take(capacity: usize, max_mapped: usize) -> Option<ArenaRegion> {
+    let mut gone = room_for_gone();
+    let mut lot = LOT.try_lock()?;
+    let fits = |p: &&Parked| (capacity..=max_mapped).contains(&p.region.mapped());
+    let parked = &lot.parked;
+    // Among equals the one parked last: its pages are the warmest, and those parked before it
+    // age out where fewer regions serve than were parked.
+    let above = parked
+        .iter()
+        .filter(fits)
+        .filter(|p| p.region.capacity() >= capacity)
+        .min_by_key(|p| (p.region.capacity(), std::cmp::Reverse(p.at)));
+    let pick = above.or_else(|| parked.iter().filter(fits).max_by_key(|p| (p.region.capacity(), p.at)));
+    let at = pick.and_then(|pick| parked.iter().position(|p| std::ptr::eq(p, pick)));
+    let taken = at.map(|at| lot.parked.remove(at).region);
+    lot.age(&mut gone);
+    drop(lot);
+    // Unmapped outside the lock.
+    drop(gone);
+    taken
+}
+
+/// Returns to the system the regions workspace `by` parked (it is going away, and nothing else
+/// is known to want them).
+pub(crate) fn evict(by: u64) {
+    let gone: Vec<Parked> = {
+        let mut gone = room_for_gone();
+        let Some(mut lot) = lock_briefly() else { return };
+        let mut i = 0;
+        while i < lot.parked.len() {
+            if lot.parked[i].by == by && gone.len() < gone.capacity() {
+                gone.push(lot.parked.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        gone
+    };
+    // Unmapped outside the lock.
+    drop(gone);
+}
+
+/// Regions in the lot, and the bytes they serve (none where it cannot be reached).
+pub fn parked() -> (usize, usize) {
+    let Some(lot) = lock_briefly() else { return (0, 0) };
+    (lot.parked.len(), lot.parked.iter().map(|p| p.region.capacity()).sum())
+}

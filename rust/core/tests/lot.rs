@@ -1,0 +1,200 @@
+//! Workspaces entered in turn on a thread hand their empty regions on through the lot
+//! (`rustws_core::lot`). In a binary of its own: the lot is one per process, and another test's
+//! workspaces would take regions from it or park theirs.
+
+mod common;
+
+use std::ptr::NonNull;
+
+use common::{fill, intact};
+use rustws_core::*;
+
+/// Held by each test while it runs: the tests of one binary run on parallel threads.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const SIZE: usize = 48 << 10;
+
+fn layers(n: usize, config: WorkspaceConfiguration) -> Vec<Workspace> {
+    (0..n).map(|i| Workspace::new(&format!("LAYER{i}"), config.clone()).expect("a workspace")).collect()
+}
+
+fn adaptive() -> WorkspaceConfiguration {
+    WorkspaceConfiguration {
+        policy_learning: LearningPolicy::Adaptive,
+        policy_spill: SpillPolicy::Reallocate,
+        ..WorkspaceConfiguration::default()
+    }
+}
+
+/// The base of the region holding `p`, a live block of `w` (0: outside the arena).
+fn region_of(w: &Workspace, p: NonNull<u8>) -> usize {
+    // SAFETY: `p` is a live block of `w`.
+    let info = unsafe { w.find_block(p) }.expect("a live block of the workspace");
+    info.region.map_or(0, |r| r.0)
+}
+
+/// One pass of a network whose layers each have a workspace: a layer's cycle carves a temporary
+/// and its output, and frees the output of the layer before it (as `x = f(x)` replaces it).
+/// Returns, per layer, the region its output lies in.
+fn pass(ws: &mut [Workspace], x: &mut Option<(usize, NonNull<u8>, u8)>, seed: u8) -> Vec<usize> {
+    let mut regions = Vec::new();
+    for i in 0..ws.len() {
+        ws[i].enter().unwrap();
+        let t = ws[i].alloc(SIZE).unwrap();
+        fill(t.as_ptr(), SIZE, seed);
+        let out = ws[i].alloc(SIZE).unwrap();
+        let s = seed.wrapping_add(i as u8);
+        fill(out.as_ptr(), SIZE, s);
+        if let Some((j, p, s)) = x.take() {
+            assert!(intact(p.as_ptr(), SIZE, s), "layer {j}'s output changed under it");
+            // SAFETY: a live block of layer `j`, freed once.
+            unsafe { ws[j].free(p) };
+        }
+        // SAFETY: live, freed once.
+        unsafe { ws[i].free(t) };
+        ws[i].exit().unwrap();
+        regions.push(region_of(&ws[i], out));
+        *x = Some((i, out, s));
+    }
+    regions
+}
+
+fn distinct(mut v: Vec<usize>) -> usize {
+    v.sort_unstable();
+    v.dedup();
+    v.len()
+}
+
+#[test]
+fn workspaces_entered_in_turn_hand_their_empty_regions_on() {
+    let _alone = alone();
+    let mut ws = layers(4, adaptive());
+    let mut x = None;
+    let mut last = Vec::new();
+    for round in 0..8u8 {
+        last = pass(&mut ws, &mut x, round.wrapping_mul(17));
+        for w in &ws {
+            w.verify();
+        }
+    }
+    // Two regions serve the four layers: the one holding the last layer's output, and the one
+    // the next layer carves in; each layer once had a region of its own.
+    assert_eq!(distinct(last.clone()), 2, "regions of the last pass: {last:x?}");
+    let held: usize = ws.iter().map(|w| w.stats().capacity_bytes as usize).sum();
+    let (parked, parked_bytes) = lot::parked();
+    let one = ws.iter().map(|w| w.stats().capacity_bytes as usize).max().unwrap();
+    assert!(held + parked_bytes <= 2 * one, "held {held} and parked {parked_bytes} ({parked} regions)");
+    // A layer idle since its output died holds no region; it takes one again as it opens.
+    assert_eq!(ws[0].stats().capacity_bytes, 0);
+    let (j, p, s) = x.take().unwrap();
+    assert!(intact(p.as_ptr(), SIZE, s));
+    // SAFETY: a live block of layer `j`, freed once.
+    unsafe { ws[j].free(p) };
+    ws[0].enter().unwrap();
+    assert!(ws[0].stats().capacity_bytes > 0, "a region at the open");
+    let q = ws[0].alloc(SIZE).unwrap();
+    assert!(region_of(&ws[0], q) != 0);
+    // SAFETY: live, freed once.
+    unsafe { ws[0].free(q) };
+    ws[0].exit().unwrap();
+    for w in &ws {
+        w.verify();
+        assert_eq!(w.live_blocks(), 0);
+        assert_eq!(w.bad_frees(), 0);
+    }
+}
+
+#[test]
+fn a_block_freed_twice_by_the_region_s_old_owner_leaves_the_new_owner_s_alone() {
+    let _alone = alone();
+    let mut ws = layers(3, adaptive());
+    let mut x = None;
+    for round in 0..6u8 {
+        pass(&mut ws, &mut x, round);
+    }
+    // Layer 2's output dies in layer 0's next cycle, and layer 2 parks the region it lies in;
+    // layer 1, whose own region layer 0 took over, takes that one as it opens (inside layer 0's
+    // cycle here, so that layer 0 parks nothing meanwhile). The output's pointer, freed a second
+    // time then, must not touch layer 1's block carved in its place.
+    let (j, stale, s) = x.take().unwrap();
+    assert_eq!(j, 2);
+    let region = region_of(&ws[2], stale);
+    ws[0].enter().unwrap();
+    assert!(intact(stale.as_ptr(), SIZE, s));
+    // SAFETY: live, freed once (here).
+    unsafe { ws[2].free(stale) };
+    assert_eq!(ws[2].stats().capacity_bytes, 0, "layer 2 parked its region");
+    ws[1].enter().unwrap();
+    // Carved as the pass carved them: a temporary first, then the block at the output's place.
+    let t = ws[1].alloc(SIZE).unwrap();
+    let fresh = ws[1].alloc(SIZE).unwrap();
+    assert_eq!(region_of(&ws[1], fresh), region, "layer 1 serves from the region layer 2 left");
+    assert_eq!(fresh, stale, "the same place, the region having started over");
+    fill(fresh.as_ptr(), SIZE, 99);
+    // SAFETY: `stale` is no live block of layer 2's any more (the region is layer 1's now): the
+    // free is a second one, which the workspace must ignore without reading the memory.
+    unsafe { ws[2].free(stale) };
+    assert_eq!(ws[2].bad_frees(), 1, "a pointer into a region handed on is no block of the old owner");
+    assert_eq!(ws[1].live_blocks(), 2);
+    assert!(intact(fresh.as_ptr(), SIZE, 99), "the new owner's block stays as it was");
+    // SAFETY: live, freed once.
+    unsafe { ws[1].free(fresh) };
+    // SAFETY: live, freed once.
+    unsafe { ws[1].free(t) };
+    ws[1].exit().unwrap();
+    ws[0].exit().unwrap();
+    for w in &ws {
+        w.verify();
+        assert_eq!(w.live_blocks(), 0);
+    }
+}
+
+#[test]
+fn a_workspace_entered_alone_or_given_its_size_keeps_its_region() {
+    let _alone = alone();
+    let before = lot::parked();
+    // Alone: its output dies between cycles, and its region stays for the next one.
+    let mut w = layers(1, adaptive());
+    let mut x = None;
+    for round in 0..6u8 {
+        pass(&mut w, &mut x, round);
+        let (_, p, _) = x.take().unwrap();
+        // SAFETY: live, freed once, outside any cycle.
+        unsafe { w[0].free(p) };
+        assert!(w[0].stats().capacity_bytes > 0 || round == 0, "round {round}");
+    }
+    assert_eq!(lot::parked(), before);
+    // Given an initial size, each of several workspaces entered in turn keeps what it was given.
+    let mut ws = layers(3, WorkspaceConfiguration { initial_size: 256 << 10, ..adaptive() });
+    let mut x = None;
+    let mut last = Vec::new();
+    for round in 0..6u8 {
+        last = pass(&mut ws, &mut x, round);
+    }
+    assert_eq!(distinct(last), 3);
+    assert_eq!(lot::parked(), before);
+    let (j, p, _) = x.take().unwrap();
+    // SAFETY: live, freed once.
+    unsafe { ws[j].free(p) };
+}
+
+#[test]
+fn the_regions_a_workspace_parked_go_back_with_it() {
+    let _alone = alone();
+    let before = lot::parked().0;
+    let mut ws = layers(3, adaptive());
+    let mut x = None;
+    for round in 0..6u8 {
+        pass(&mut ws, &mut x, round);
+    }
+    let (j, p, _) = x.take().unwrap();
+    // SAFETY: live, freed once.
+    unsafe { ws[j].free(p) };
+    assert!(lot::parked().0 > before, "the last layer's region, empty now, waits in the lot");
+    drop(ws);
+    assert_eq!(lot::parked().0, before, "nothing the dropped workspaces parked stays mapped");
+}
