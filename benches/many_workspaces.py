@@ -3,9 +3,10 @@ tanh network (a workspace per layer name, as a user porting DL4J code may write 
 NumPy, in fresh processes, alternated.
 ``python benches/many_workspaces.py [--runs N] [--workspaces K ...]``
 
-Each workspace keeps its arena resident while the others run: peak RSS grows with the number of
-workspaces entered in turn, where NumPy's heap serves every layer from the same freed blocks. One
-workspace for the layers' working memory (as ``LayerWorkspaceMgr`` places it) holds one arena.
+A workspace entered in turn with others hands its region on once nothing lives in it (the lot,
+``rust/core/src/lot.rs``): two regions serve the layers, the one holding the last layer's output
+and the one the next layer carves in, where NumPy's heap serves every layer from the same freed
+blocks. One workspace for the layers' working memory (as ``LayerWorkspaceMgr`` places it) holds one.
 """
 
 import argparse

@@ -28,6 +28,8 @@ def _info() -> int:
     print(f"cuda: {state}; the driver sees {cuda.device_count()} device(s)")
     print(f"cuda backend: {info['cuda_backend']}")
     print(f"block header: {info['header_bytes']} bytes, alignment 64 bytes")
+    parked = info["parked_bytes"] / (1 << 20)
+    print(f"regions waiting between workspaces entered in turn: {info['parked_regions']} ({parked:.1f} MiB)")
     for key in ("allocation", "learning", "spill", "reset", "mirroring", "location"):
         print(f"{key + ' policies:':22} {', '.join(info[key + '_policies'])}")
     mode = _rustws.env_debug_mode()

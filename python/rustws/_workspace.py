@@ -1009,3 +1009,8 @@ def print_allocation_statistics(file: TextIO | None = None) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)), file=out)
     if not rows:
         print("(no workspaces on this thread)", file=out)
+    info = _rustws.build_info()
+    if info["parked_regions"]:
+        # Empty regions of workspaces entered in turn, waiting for the next one that opens.
+        parked = f"{info['parked_regions']} region(s), {_fmt_bytes(info['parked_bytes'])}"
+        print(f"handed on between workspaces entered in turn: {parked}", file=out)

@@ -282,7 +282,12 @@ _LAYERS = """
             with ws[i % {k}]:
                 x = np.tanh(x @ w) + 0.01 * x
     caps = [w.stats().capacity_bytes for w in ws]
-    held = sum(caps) + rustws._rustws.build_info()["parked_bytes"]
+    info = rustws._rustws.build_info()
+    held = sum(caps) + info["parked_bytes"]
+    import io
+    table = io.StringIO()
+    rustws.print_allocation_statistics(file=table)
+    assert ("handed on between workspaces" in table.getvalue()) == (info["parked_regions"] > 0)
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
     print(hwm, held, max(caps), float(x.sum()))

@@ -691,6 +691,19 @@ impl ArenaRegion {
         self.give_back_idle(absent)
     }
 
+    /// A new block of `slot` bytes, [`GIVE_BACK_MIN`] or more, was made outside the region (a
+    /// spill): fresh memory, as a block carved on memory not resident is. As much of the
+    /// region's idle free runs goes back to the system ([`ArenaRegion::give_back_idle`]).
+    /// Returns the bytes given back.
+    #[cold]
+    #[inline(never)]
+    pub fn give_back_beside(&mut self, slot: usize) -> usize {
+        if slot < GIVE_BACK_MIN || !self.gives_back() || !self.has_idle_run() {
+            return 0;
+        }
+        self.give_back_idle(slot)
+    }
+
     /// Whether free memory given back reads back as zeros and its headers lie in it (anonymous
     /// host memory): only then do [`ArenaRegion::give_back_idle`]'s runs go back.
     fn gives_back(&self) -> bool {
@@ -700,8 +713,7 @@ impl ArenaRegion {
     /// Whether a free run of [`GIVE_BACK_MIN`] bytes or more lies idle: the hole, or one of the
     /// first [`GIVE_BACK_SCAN`] blocks of the large list.
     fn has_idle_run(&self) -> bool {
-        let (from, to) = self.idle_hole();
-        if to - from >= GIVE_BACK_MIN {
+        if self.idle_holes().iter().any(|&(from, to)| to - from >= GIVE_BACK_MIN) {
             return true;
         }
         let Some(l) = self.lists.as_deref() else { return false };
@@ -732,13 +744,14 @@ impl ArenaRegion {
         if budget == 0 || !self.gives_back() {
             return 0;
         }
-        let mut runs = [(0usize, 0usize); ORDERED_SCAN + 1];
+        let mut runs = [(0usize, 0usize); ORDERED_SCAN + 2];
         let mut n = 0;
-        // The hole has no header: all of it may go.
-        let (from, to) = self.idle_hole();
-        if to - from >= GIVE_BACK_MIN {
-            runs[0] = (from, to);
-            n = 1;
+        // The holes have no header: all of them may go.
+        for (from, to) in self.idle_holes() {
+            if to - from >= GIVE_BACK_MIN {
+                runs[n] = (from, to);
+                n += 1;
+            }
         }
         if let Some(l) = self.lists.as_deref() {
             let mut at = if l.nonempty.contains(ORDERED) { l.heads[ORDERED] } else { NONE };
@@ -766,13 +779,16 @@ impl ArenaRegion {
         given
     }
 
-    /// The current hole, as far as it may be resident: the never-carved tail up to what was
-    /// carved or pre-faulted (blocks freed back into it), else the hole.
-    fn idle_hole(&self) -> (usize, usize) {
+    /// The free memory without headers, as far as it may be resident: the current hole, and the
+    /// never-carved tail up to what was carved or pre-faulted (blocks freed back into it), which
+    /// lies past the chain's end where a walk closed the hole (and is the hole where it is the
+    /// tail). Empty ranges where there is none.
+    fn idle_holes(&self) -> [(usize, usize); 2] {
+        let resident = self.resident_end();
         if self.tail {
-            (self.cursor, self.resident_end().clamp(self.cursor, self.capacity))
+            [(self.cursor, resident.clamp(self.cursor, self.capacity)), (0, 0)]
         } else {
-            (self.cursor, self.limit)
+            [(self.cursor, self.limit), (self.top, resident.clamp(self.top, self.capacity))]
         }
     }
 

@@ -5,15 +5,17 @@
 //! the others run, where a plain process serves every layer from the same freed heap memory.
 //! So a workspace whose cycles alternate with another's on its thread parks its region here once
 //! the region holds no live block and no cycle of its own is open, and the next workspace that
-//! needs a region of about that size takes it over, pages resident and all, instead of mapping
-//! and pre-faulting one of its own. A region changes hands only empty: blocks carry their
-//! region's owner and id in their headers, and the new owner gives it its own.
+//! opens takes over the region parked last that it fits in (one mapping up to four times its
+//! need), pages resident and all, instead of mapping and pre-faulting one of its own. A region
+//! changes hands only empty: blocks carry their region's owner and id in their headers, and the
+//! new owner gives it its own.
 //!
 //! The lot holds at most [`LOT_MAX`] regions (the oldest goes back to the system when one more
 //! is parked), a region nobody took while [`LOT_AGE`] others were parked or taken goes back (the
 //! workspaces entered in turn need fewer than were made before they were found to be), and
-//! those a workspace parked go back when it is dropped. It is only ever tried: a lot another
-//! thread is using is passed by, never waited for.
+//! those a workspace parked go back when it is dropped or destroyed. Parks and takes only try
+//! its lock: a lot another thread is using is passed by. A workspace going away, and a look at
+//! what the lot holds, wait for it a bounded while.
 
 use crate::arena::ArenaRegion;
 use crate::lock::SpinLock;
@@ -99,22 +101,14 @@ pub(crate) fn park(region: ArenaRegion, by: u64) -> Option<ArenaRegion> {
 }
 
 /// Takes a parked region that can serve `capacity` bytes in place: one mapping at least that
-/// much and at most `max_mapped` bytes, the one serving closest above `capacity` first (the
-/// fewest pages given back to shrink it), else the one serving most below it (the fewest to
-/// fault in to grow it); among equals, the one parked last.
+/// much and at most `max_mapped` bytes, the one parked last (its pages are the warmest, and
+/// those parked before it age out where fewer regions serve than were parked).
 pub(crate) fn take(capacity: usize, max_mapped: usize) -> Option<ArenaRegion> {
     let mut gone = room_for_gone();
     let mut lot = LOT.try_lock()?;
     let fits = |p: &&Parked| (capacity..=max_mapped).contains(&p.region.mapped());
     let parked = &lot.parked;
-    // Among equals the one parked last: its pages are the warmest, and those parked before it
-    // age out where fewer regions serve than were parked.
-    let above = parked
-        .iter()
-        .filter(fits)
-        .filter(|p| p.region.capacity() >= capacity)
-        .min_by_key(|p| (p.region.capacity(), std::cmp::Reverse(p.at)));
-    let pick = above.or_else(|| parked.iter().filter(fits).max_by_key(|p| (p.region.capacity(), p.at)));
+    let pick = parked.iter().filter(fits).max_by_key(|p| p.at);
     let at = pick.and_then(|pick| parked.iter().position(|p| std::ptr::eq(p, pick)));
     let taken = at.map(|at| lot.parked.remove(at).region);
     lot.age(&mut gone);

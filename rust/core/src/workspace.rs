@@ -140,6 +140,9 @@ struct Route {
     /// with its own, and it may take one from there ([`crate::lot`]): an arena of anonymous
     /// memory that rewinds, under no limit.
     lends: bool,
+    /// Whether the learner grows the arena by what a cycle spills (the adaptive profile): a
+    /// spill is then a passing state, and the arena's idle runs go back beside a large one.
+    grows_by_spills: bool,
 }
 
 impl Route {
@@ -165,13 +168,17 @@ impl Route {
                 && !fail_spills
                 && config.policy_learning == LearningPolicy::Adaptive
                 && config.max_size == 0,
-            // A workspace given an initial size keeps what it was given.
+            // A workspace given a size (initial, least or most) keeps what it was given; one whose
+            // spills fail keeps the arena it refuses them from.
             lends: plain
                 && !always
                 && lists
+                && !fail_spills
                 && config.max_size == 0
                 && config.initial_size == 0
+                && config.min_size == 0
                 && backend.name() == AnonymousMemory.name(),
+            grows_by_spills: config.policy_learning == LearningPolicy::Adaptive,
         }
     }
 }
@@ -211,6 +218,11 @@ const APART_WAIT: u64 = NEED_WINDOW as u64;
 /// Opens in a row after another workspace's cycle opened on the thread from which a workspace
 /// counts as entered in turn with others: not one that ran once after another.
 const IN_TURN: u8 = 2;
+
+/// Opens in a row that found the workspace itself opened last on the thread, from which it looks
+/// only at every this many opens: a loop of one workspace pays for the look a thirty-second of
+/// the time, and one that comes to alternate with another is seen within as many cycles.
+const ALONE: u8 = 32;
 
 /// The cycles of a workspace: how many are open, how deep, and the pinning epoch.
 #[derive(Debug, Default, Clone)]
@@ -255,9 +267,14 @@ struct Cycles {
     /// ([`crate::lot`]) from the [`IN_TURN`]th on.
     turns: u8,
     in_turn: bool,
+    /// Opens in a row (up to 255) that found it opened last on the thread.
+    alone: u8,
     /// The capacity and pre-fault of the region it parked in the lot, which the next open
     /// replaces (0: none parked).
     parked: (usize, usize),
+    /// The id of the last region it took from the lot (0: none), which the learner does not
+    /// shrink: it may serve more than this workspace's need, for another's.
+    adopted: u64,
     /// Whether the block allocator's free memory was returned before the workspace's first
     /// large block of its own (see [`Workspace::new_external`]).
     trimmed: bool,
@@ -685,6 +702,21 @@ impl Workspace {
         Ok(true)
     }
 
+    /// Notes this workspace's open on the thread, and whether it comes in turn with others'.
+    #[inline]
+    fn note_open_on_thread(&mut self) {
+        let last = LAST_OPENED.with(|t| t.replace(self.token));
+        let c = &mut self.cycles;
+        if last != 0 && last != self.token {
+            c.alone = 0;
+            c.turns = c.turns.saturating_add(1).min(IN_TURN);
+        } else {
+            c.alone = c.alone.saturating_add(1);
+            c.turns = 0;
+        }
+        c.in_turn = c.turns >= IN_TURN;
+    }
+
     /// A region from the lot that serves `cap` bytes (resized where it lies), made this
     /// workspace's as region `id`. Taken only as a cycle opens, to be used now: a workspace sized
     /// at a close may not open again for long, and its own new region costs nothing until then.
@@ -702,8 +734,13 @@ impl Workspace {
             r.hand_over(id, self.token, self.limit.upstream().clone());
             return None;
         }
-        // Empty: it grows, or shrinks giving back the pages above, in place.
-        let _ = r.resize_in_place(cap);
+        // Empty, it grows in place where it serves less. Where it serves more, it stays so: it
+        // costs nothing more resident than it held in the lot, and a shrink would give back
+        // pages that the next workspace of the larger size would fault in again.
+        if r.capacity() < cap {
+            let _ = r.resize_in_place(cap);
+        }
+        self.cycles.adopted = id;
         Some(r)
     }
 
@@ -842,12 +879,12 @@ impl Workspace {
                 }
             }
             if self.route.lends {
-                if rewind {
-                    // A reopen follows its own close, with nothing opened on the thread between.
-                    let last = LAST_OPENED.with(|t| t.replace(self.token));
-                    let c = &mut self.cycles;
-                    c.turns = if last != 0 && last != self.token { c.turns.saturating_add(1).min(IN_TURN) } else { 0 };
-                    c.in_turn = c.turns >= IN_TURN;
+                // A reopen follows its own close, with nothing opened on the thread between; a
+                // workspace that found itself opened last many times in a row looks only now and
+                // then (the thread local costs a call).
+                let c = &self.cycles;
+                if rewind && (c.alone < ALONE || c.completed % u64::from(ALONE) == 0) {
+                    self.note_open_on_thread();
                 }
                 if self.cycles.parked.0 > 0 && self.regions.current().is_none() {
                     self.unpark();
@@ -1033,6 +1070,13 @@ impl Workspace {
             // The kept blocks of the classes now apart still cut the region's free runs: a fresh
             // region of the same size replaces it, and the old one keeps only the pages under them.
             sizing = Sizing::Map { capacity: current, prefault: self.learner.need };
+        }
+        if let (Sizing::Map { capacity, .. }, Some(r)) = (sizing, self.regions.current()) {
+            if capacity < current && r.id() == self.cycles.adopted {
+                // A region taken over from the lot, larger than this workspace needs: kept as it
+                // is (see `adopt`).
+                sizing = Sizing::Keep;
+            }
         }
         if let (Sizing::Map { capacity, prefault }, Some(r)) = (sizing, self.regions.current()) {
             // A smaller region gives nothing back where the cycles never touched more of this one
@@ -1325,7 +1369,9 @@ impl Workspace {
             return self.alloc_huge(req);
         }
         let before = self.accounts.external_slot;
-        let p = match self.cached_block(req) {
+        let cached = self.cached_block(req);
+        let fresh = cached.is_none();
+        let p = match cached {
             Some(p) => p,
             None => self.new_external(req)?,
         };
@@ -1339,6 +1385,14 @@ impl Workspace {
             // is never taken for a small one.
             let held = self.accounts.own_live().saturating_sub(self.accounts.external_slot);
             self.cycles.spilled_in_room |= req.slot <= self.regions.current_capacity().saturating_sub(held);
+            if fresh && self.route.grows_by_spills && self.route.host && req.slot >= GIVE_BACK_MIN {
+                // A large block made beside the arena, where the arena's free runs lie idle (one
+                // pre-faulted for a cycle of another size): they go back as it comes, until the
+                // arena grown by the spill serves it.
+                if let Some(r) = self.regions.current_mut() {
+                    r.give_back_beside(req.slot);
+                }
+            }
         }
         self.own.peaks.note(before, self.accounts.external_slot);
         Ok(p)
@@ -1963,6 +2017,47 @@ mod tests {
             w.free(kept);
         }
         w.exit().unwrap();
+        w.verify();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mincore: no page is known resident")]
+    fn a_large_spill_gives_back_the_idle_arena_pre_faulted_for_a_smaller_cycle() {
+        // Batches of two sizes in turn: the arena learned from a 40 MiB cycle is pre-faulted as
+        // the next cycle opens, whose 60 MiB block (under the huge mappings' 64 MiB) spills past it. The arena lies idle beside the
+        // spill, which a plain process would hold alone: it goes back to the system.
+        const MIB: usize = 1 << 20;
+        let resident = crate::backend::resident_bytes;
+        let mut w = Workspace::new("two sizes", WorkspaceConfiguration::adaptive()).unwrap();
+        w.enter().unwrap();
+        let first = w.alloc(40 * MIB).unwrap();
+        // SAFETY: live, freed once.
+        unsafe { w.free(first) };
+        w.exit().unwrap();
+        w.enter().unwrap();
+        let region = w.regions.current().expect("an arena learned from the first cycle");
+        let (base, prefaulted) = (region.base(), region.resident_end());
+        assert!(prefaulted >= 40 * MIB, "pre-faulted as the cycle opened");
+        assert!(resident(base, prefaulted) >= 32 * MIB, "resident");
+        let big = w.alloc(60 * MIB).unwrap();
+        assert_eq!(w.stats().spill_count, 1);
+        assert!(resident(base, prefaulted) < MIB, "the idle arena went back beside the spill");
+        // SAFETY: a live block of 60 MiB.
+        unsafe { std::ptr::write_bytes(big.as_ptr(), 2, 60 * MIB) };
+        // SAFETY: live, freed once.
+        unsafe { w.free(big) };
+        w.exit().unwrap();
+        // The arena grown by the spill serves both sizes from here on, zero-filled where asked.
+        for size in [40 * MIB, 60 * MIB, 40 * MIB] {
+            w.enter().unwrap();
+            let p = w.alloc_zeroed(size).unwrap();
+            // SAFETY: a live block of `size` bytes.
+            assert!(unsafe { std::slice::from_raw_parts(p.as_ptr(), size) }.iter().all(|&b| b == 0));
+            // SAFETY: live, freed once.
+            unsafe { w.free(p) };
+            w.exit().unwrap();
+        }
+        assert_eq!(w.stats().spill_count, 1);
         w.verify();
     }
 

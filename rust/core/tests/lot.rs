@@ -6,7 +6,7 @@ mod common;
 
 use std::ptr::NonNull;
 
-use common::{fill, intact};
+use common::{fill, intact, miri_or};
 use rustws_core::*;
 
 /// Held by each test while it runs: the tests of one binary run on parallel threads.
@@ -16,7 +16,8 @@ fn alone() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-const SIZE: usize = 48 << 10;
+/// A layer's blocks (smaller under Miri, which runs every byte's check slowly).
+const SIZE: usize = miri_or(48 << 10, 4 << 10);
 
 fn layers(n: usize, config: WorkspaceConfiguration) -> Vec<Workspace> {
     (0..n).map(|i| Workspace::new(&format!("LAYER{i}"), config.clone()).expect("a workspace")).collect()
@@ -41,16 +42,22 @@ fn region_of(w: &Workspace, p: NonNull<u8>) -> usize {
 /// and its output, and frees the output of the layer before it (as `x = f(x)` replaces it).
 /// Returns, per layer, the region its output lies in.
 fn pass(ws: &mut [Workspace], x: &mut Option<(usize, NonNull<u8>, u8)>, seed: u8) -> Vec<usize> {
+    pass_of(ws, &vec![SIZE; ws.len()], x, seed)
+}
+
+/// [`pass`], with layer `i`'s blocks of `sizes[i]` bytes.
+fn pass_of(ws: &mut [Workspace], sizes: &[usize], x: &mut Option<(usize, NonNull<u8>, u8)>, seed: u8) -> Vec<usize> {
     let mut regions = Vec::new();
     for i in 0..ws.len() {
+        let size = sizes[i];
         ws[i].enter().unwrap();
-        let t = ws[i].alloc(SIZE).unwrap();
-        fill(t.as_ptr(), SIZE, seed);
-        let out = ws[i].alloc(SIZE).unwrap();
+        let t = ws[i].alloc(size).unwrap();
+        fill(t.as_ptr(), size, seed);
+        let out = ws[i].alloc(size).unwrap();
         let s = seed.wrapping_add(i as u8);
-        fill(out.as_ptr(), SIZE, s);
+        fill(out.as_ptr(), size, s);
         if let Some((j, p, s)) = x.take() {
-            assert!(intact(p.as_ptr(), SIZE, s), "layer {j}'s output changed under it");
+            assert!(intact(p.as_ptr(), sizes[j], s), "layer {j}'s output changed under it");
             // SAFETY: a live block of layer `j`, freed once.
             unsafe { ws[j].free(p) };
         }
@@ -168,18 +175,25 @@ fn a_workspace_entered_alone_or_given_its_size_keeps_its_region() {
         assert!(w[0].stats().capacity_bytes > 0 || round == 0, "round {round}");
     }
     assert_eq!(lot::parked(), before);
-    // Given an initial size, each of several workspaces entered in turn keeps what it was given.
-    let mut ws = layers(3, WorkspaceConfiguration { initial_size: 256 << 10, ..adaptive() });
-    let mut x = None;
-    let mut last = Vec::new();
-    for round in 0..6u8 {
-        last = pass(&mut ws, &mut x, round);
+    // Given a size (initial or least), each of several workspaces entered in turn keeps what it
+    // was given, between its cycles too.
+    for sized in [
+        WorkspaceConfiguration { initial_size: 256 << 10, ..adaptive() },
+        WorkspaceConfiguration { min_size: 256 << 10, ..adaptive() },
+    ] {
+        let mut ws = layers(3, sized);
+        let mut x = None;
+        let mut last = Vec::new();
+        for round in 0..6u8 {
+            last = pass(&mut ws, &mut x, round);
+        }
+        assert_eq!(distinct(last), 3);
+        assert_eq!(lot::parked(), before);
+        let (j, p, _) = x.take().unwrap();
+        // SAFETY: live, freed once.
+        unsafe { ws[j].free(p) };
+        assert!(ws.iter().all(|w| w.stats().capacity_bytes >= 256 << 10));
     }
-    assert_eq!(distinct(last), 3);
-    assert_eq!(lot::parked(), before);
-    let (j, p, _) = x.take().unwrap();
-    // SAFETY: live, freed once.
-    unsafe { ws[j].free(p) };
 }
 
 #[test]
@@ -197,4 +211,34 @@ fn the_regions_a_workspace_parked_go_back_with_it() {
     assert!(lot::parked().0 > before, "the last layer's region, empty now, waits in the lot");
     drop(ws);
     assert_eq!(lot::parked().0, before, "nothing the dropped workspaces parked stays mapped");
+}
+
+#[test]
+fn layers_of_different_sizes_in_turn_settle_without_faulting_their_regions_again() {
+    // Regions handed on between a narrow and a wide layer: one taken by the narrow layer keeps
+    // what the wide one made resident (a shrink would give it back, and the wide layer fault it
+    // in again at its next turn).
+    let _alone = alone();
+    let sizes = [SIZE, 8 * SIZE, 2 * SIZE, 6 * SIZE, 3 * SIZE];
+    let mut ws = layers(sizes.len(), adaptive());
+    let mut x = None;
+    let prefaulted = |ws: &[Workspace]| ws.iter().map(Workspace::prefaulted_bytes).sum::<u64>();
+    let (settle, more) = (miri_or(8, 4) as u8, miri_or(16, 3) as u8);
+    for round in 0..settle {
+        pass_of(&mut ws, &sizes, &mut x, round);
+    }
+    let settled = prefaulted(&ws);
+    for round in settle..settle + more {
+        pass_of(&mut ws, &sizes, &mut x, round);
+        for w in &ws {
+            w.verify();
+        }
+    }
+    assert_eq!(prefaulted(&ws), settled, "no region was pre-faulted again once the layers settled");
+    // Fewer regions than layers serve them: the widest ones, handed on.
+    let held = ws.iter().filter(|w| w.stats().capacity_bytes > 0).count();
+    assert!(held + lot::parked().0 <= 3, "{held} regions held, {:?} parked", lot::parked());
+    let (j, p, _) = x.take().unwrap();
+    // SAFETY: a live block of layer `j`, freed once.
+    unsafe { ws[j].free(p) };
 }
