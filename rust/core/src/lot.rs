@@ -26,6 +26,10 @@ pub(crate) const LOT_MAX: usize = 4;
 /// Parks and takes after which a region nobody took goes back to the system.
 pub(crate) const LOT_AGE: u64 = 8;
 
+/// Parks and takes for which the widest need a region was taken for keeps regions taken for
+/// narrower ones that wide (see [`take`]).
+pub(crate) const WIDE_FOR: u64 = 64;
+
 /// A parked region, the token of the workspace that parked it, and when.
 struct Parked {
     region: ArenaRegion,
@@ -37,6 +41,8 @@ struct Lot {
     parked: Vec<Parked>,
     /// Parks and takes so far.
     events: u64,
+    /// The widest need a region was asked for, and the count of events until which it holds.
+    wide: (usize, u64),
 }
 
 impl Lot {
@@ -55,7 +61,7 @@ impl Lot {
     }
 }
 
-static LOT: SpinLock<Lot> = SpinLock::new(Lot { parked: Vec::new(), events: 0 });
+static LOT: SpinLock<Lot> = SpinLock::new(Lot { parked: Vec::new(), events: 0, wide: (0, 0) });
 
 /// The lot's lock where waiting for it is worth a little: it is held for a few list operations
 /// at a time, but a child forked while another thread held it finds it held for good, and must
@@ -102,15 +108,23 @@ pub(crate) fn park(region: ArenaRegion, by: u64) -> Option<ArenaRegion> {
 
 /// Takes a parked region that can serve `capacity` bytes in place: one mapping at least that
 /// much and at most `max_mapped` bytes, the one parked last (its pages are the warmest, and
-/// those parked before it age out where fewer regions serve than were parked).
-pub(crate) fn take(capacity: usize, max_mapped: usize) -> Option<ArenaRegion> {
+/// those parked before it age out where fewer regions serve than were parked). Returns it with
+/// what it should serve from now on: `capacity`, or the widest need any region was asked for
+/// within the last [`WIDE_FOR`] parks and takes, if that is more (layers of different widths
+/// hand regions on without giving back pages that the next wider one faults in again; once the
+/// widest stops asking, regions shrink to what is still asked for).
+pub(crate) fn take(capacity: usize, max_mapped: usize) -> Option<(ArenaRegion, usize)> {
     let mut gone = room_for_gone();
     let mut lot = LOT.try_lock()?;
+    if capacity >= lot.wide.0 || lot.events > lot.wide.1 {
+        lot.wide = (capacity, lot.events + WIDE_FOR);
+    }
+    let serve = lot.wide.0.max(capacity);
     let fits = |p: &&Parked| (capacity..=max_mapped).contains(&p.region.mapped());
     let parked = &lot.parked;
     let pick = parked.iter().filter(fits).max_by_key(|p| p.at);
     let at = pick.and_then(|pick| parked.iter().position(|p| std::ptr::eq(p, pick)));
-    let taken = at.map(|at| lot.parked.remove(at).region);
+    let taken = at.map(|at| (lot.parked.remove(at).region, serve));
     lot.age(&mut gone);
     drop(lot);
     // Unmapped outside the lock.

@@ -273,7 +273,8 @@ struct Cycles {
     /// replaces (0: none parked).
     parked: (usize, usize),
     /// The id of the last region it took from the lot (0: none), which the learner does not
-    /// shrink: it may serve more than this workspace's need, for another's.
+    /// shrink: it may serve more than this workspace's need, for another's (the lot shrinks it
+    /// once no workspace asks for that much).
     adopted: u64,
     /// Whether the block allocator's free memory was returned before the workspace's first
     /// large block of its own (see [`Workspace::new_external`]).
@@ -723,10 +724,11 @@ impl Workspace {
     #[cold]
     #[inline(never)]
     fn adopt(&mut self, id: u64, cap: usize) -> Option<ArenaRegion> {
-        if cap % page_bytes() != 0 {
+        let page = page_bytes();
+        if cap % page != 0 {
             return None;
         }
-        let mut r = crate::lot::take(cap, cap.saturating_mul(IN_PLACE_MAX))?;
+        let (mut r, serve) = crate::lot::take(cap, cap.saturating_mul(IN_PLACE_MAX))?;
         r.hand_over(id, self.token, self.limit.clone());
         if self.limit.take_over(r.base(), r.mapped()).is_err() {
             // A workspace that lends has no limit to refuse; dropped, the region goes back
@@ -734,11 +736,12 @@ impl Workspace {
             r.hand_over(id, self.token, self.limit.upstream().clone());
             return None;
         }
-        // Empty, it grows in place where it serves less. Where it serves more, it stays so: it
-        // costs nothing more resident than it held in the lot, and a shrink would give back
-        // pages that the next workspace of the larger size would fault in again.
-        if r.capacity() < cap {
-            let _ = r.resize_in_place(cap);
+        // Empty, it grows in place where it serves less than `cap`. Where it serves more, it
+        // serves what wider workspaces in turn still ask for (kept resident for the next of
+        // them), and gives back the pages above that.
+        let serve = serve.next_multiple_of(page).min(r.mapped());
+        if r.capacity() < cap || r.capacity() > serve {
+            let _ = r.resize_in_place(if r.capacity() < cap { cap } else { serve });
         }
         self.cycles.adopted = id;
         Some(r)
@@ -784,7 +787,14 @@ impl Workspace {
     #[cold]
     #[inline(never)]
     fn unpark(&mut self) {
-        let (cap, prefault) = std::mem::take(&mut self.cycles.parked);
+        let (parked, prefault) = std::mem::take(&mut self.cycles.parked);
+        // What the learner asks for now: the region it parked may have been wider than that
+        // (taken over from a wider workspace, which its learner does not shrink).
+        let cap = if self.learner.initialized && self.learner.need > 0 {
+            crate::learner::capacity_for(&self.config, self.learner.need)
+        } else {
+            parked
+        };
         if !self.accounts.overlapping() {
             let id = self.regions.take_id();
             if let Some(r) = self.adopt(id, cap) {

@@ -242,3 +242,29 @@ fn layers_of_different_sizes_in_turn_settle_without_faulting_their_regions_again
     // SAFETY: a live block of layer `j`, freed once.
     unsafe { ws[j].free(p) };
 }
+
+#[test]
+fn regions_shrink_back_once_the_widest_layer_stops() {
+    // A wide layer for a while, then narrow layers only: the regions the narrow ones take over
+    // serve the wide need while it is still asked for, then give back the pages above theirs.
+    let _alone = alone();
+    let mut ws = layers(4, adaptive());
+    let mut x = None;
+    let mut wide = 0;
+    for round in 0..8u8 {
+        pass_of(&mut ws, &[SIZE, 8 * SIZE, SIZE, SIZE], &mut x, round);
+        wide = wide.max(ws.iter().map(|w| w.stats().capacity_bytes as usize).max().unwrap());
+    }
+    for round in 8..miri_or(40, 30) as u8 {
+        pass_of(&mut ws, &[SIZE; 4], &mut x, round);
+    }
+    let held: usize = ws.iter().map(|w| w.stats().capacity_bytes as usize).sum();
+    let parked = lot::parked();
+    assert!(held + parked.1 < wide, "{held} bytes held and {parked:?} parked, against one wide region of {wide}");
+    let (j, p, _) = x.take().unwrap();
+    // SAFETY: a live block of layer `j`, freed once.
+    unsafe { ws[j].free(p) };
+    for w in &ws {
+        w.verify();
+    }
+}
