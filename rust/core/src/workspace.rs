@@ -266,7 +266,6 @@ struct Cycles {
     /// another workspace's: workspaces entered in turn, whose empty regions go to the lot
     /// ([`crate::lot`]) from the [`IN_TURN`]th on.
     turns: u8,
-    in_turn: bool,
     /// Opens in a row (up to 255) that found it opened last on the thread.
     alone: u8,
     /// The capacity and pre-fault of the region it parked in the lot, which the next open
@@ -715,26 +714,34 @@ impl Workspace {
             c.alone = c.alone.saturating_add(1);
             c.turns = 0;
         }
-        c.in_turn = c.turns >= IN_TURN;
     }
 
-    /// A region from the lot that serves `cap` bytes (resized where it lies), made this
-    /// workspace's as region `id`. Taken only as a cycle opens, to be used now: a workspace sized
-    /// at a close may not open again for long, and its own new region costs nothing until then.
+    /// Whether its cycles come in turn with other workspaces' on its thread.
+    #[inline]
+    fn in_turn(&self) -> bool {
+        self.cycles.turns >= IN_TURN
+    }
+
+    /// Makes a region from the lot that serves `cap` bytes (resized where it lies) the current
+    /// one, whose first `prefault` bytes are pre-faulted as the cycle opens; the old one, empty
+    /// if any, goes back. Returns whether the lot had one. Taken only as a cycle opens, to be
+    /// used now: a workspace sized at a close may not open again for long, and its own new
+    /// region costs nothing until then.
     #[cold]
     #[inline(never)]
-    fn adopt(&mut self, id: u64, cap: usize) -> Option<ArenaRegion> {
+    fn take_from_lot(&mut self, cap: usize, prefault: usize) -> bool {
         let page = page_bytes();
-        if cap % page != 0 {
-            return None;
+        if cap % page != 0 || self.accounts.overlapping() {
+            return false;
         }
-        let (mut r, serve) = crate::lot::take(cap, cap.saturating_mul(IN_PLACE_MAX))?;
+        let Some((mut r, serve)) = crate::lot::take(cap, cap.saturating_mul(IN_PLACE_MAX)) else { return false };
+        let id = self.regions.take_id();
         r.hand_over(id, self.token, self.limit.clone());
         if self.limit.take_over(r.base(), r.mapped()).is_err() {
             // A workspace that lends has no limit to refuse; dropped, the region goes back
             // through this one's source without having been counted there.
             r.hand_over(id, self.token, self.limit.upstream().clone());
-            return None;
+            return false;
         }
         // Empty, it grows in place where it serves less than `cap`. Where it serves more, it
         // serves what wider workspaces in turn still ask for (kept resident for the next of
@@ -744,7 +751,8 @@ impl Workspace {
             let _ = r.resize_in_place(if r.capacity() < cap { cap } else { serve });
         }
         self.cycles.adopted = id;
-        Some(r)
+        self.regions.install(r, prefault.min(PREFAULT_LIMIT));
+        true
     }
 
     /// Parks the current region, empty, in the lot for the next workspace entered in turn with
@@ -774,12 +782,9 @@ impl Workspace {
     #[cold]
     #[inline(never)]
     fn trade_for_resident(&mut self) {
-        let cap = self.regions.current_capacity();
-        let id = self.regions.take_id();
-        if let Some(r) = self.adopt(id, cap) {
-            let prefault = self.regions.take_prefault();
-            // The old region, holding no block, goes back to the system.
-            self.regions.install(r, prefault);
+        let prefault = self.regions.take_prefault();
+        if !self.take_from_lot(self.regions.current_capacity(), prefault) {
+            self.regions.set_prefault(prefault);
         }
     }
 
@@ -795,15 +800,11 @@ impl Workspace {
         } else {
             parked
         };
-        if !self.accounts.overlapping() {
-            let id = self.regions.take_id();
-            if let Some(r) = self.adopt(id, cap) {
-                self.regions.install(r, prefault.min(PREFAULT_LIMIT));
-                return;
-            }
+        if !self.take_from_lot(cap, prefault) {
+            // A failure to map leaves the cycle serving outside the arena; the learner sizes it
+            // again.
+            let _ = self.resize_arena(cap, prefault, true);
         }
-        // A failure to map leaves the cycle serving outside the arena; the learner sizes it again.
-        let _ = self.resize_arena(cap, prefault, true);
     }
 
     /// Whether the arena's regions may serve less than they map: no limit counts what they map,
@@ -898,8 +899,7 @@ impl Workspace {
                 }
                 if self.cycles.parked.0 > 0 && self.regions.current().is_none() {
                     self.unpark();
-                } else if self.cycles.in_turn && self.regions.has_pending_prefault() && self.regions.current_is_empty()
-                {
+                } else if self.in_turn() && self.regions.has_pending_prefault() && self.regions.current_is_empty() {
                     self.trade_for_resident();
                 }
             }
@@ -1053,7 +1053,7 @@ impl Workspace {
             self.cycles.epoch += 1;
             (report.escaped_blocks, report.escaped_bytes) = self.accounts.close_cycle(live_blocks);
             self.cycles.kept_here = self.regions.current().map_or((0, 0), |r| (r.id(), r.live_blocks()));
-            if self.cycles.in_turn && self.regions.current_is_empty() {
+            if self.in_turn() && self.regions.current_is_empty() {
                 self.park();
             }
         }
@@ -1081,21 +1081,16 @@ impl Workspace {
             // region of the same size replaces it, and the old one keeps only the pages under them.
             sizing = Sizing::Map { capacity: current, prefault: self.learner.need };
         }
-        if let (Sizing::Map { capacity, .. }, Some(r)) = (sizing, self.regions.current()) {
-            if capacity < current && r.id() == self.cycles.adopted {
-                // A region taken over from the lot, larger than this workspace needs: kept as it
-                // is (see `adopt`).
-                sizing = Sizing::Keep;
-            }
-        }
         if let (Sizing::Map { capacity, prefault }, Some(r)) = (sizing, self.regions.current()) {
             // A smaller region gives nothing back where the cycles never touched more of this one
             // than the new one would pre-fault (one grown twofold beside kept blocks), while
             // blocks in it live (it cannot shrink where it lies): it stays, rather than a new one
-            // be mapped and pre-faulted beside it until they die.
+            // be mapped and pre-faulted beside it until they die. One taken over from the lot
+            // stays too: it serves a wider workspace's need as well (see `take_from_lot`).
             let untouched = r.resident_end() <= prefault;
             let small = r.mapped() <= capacity.saturating_mul(IN_PLACE_MAX);
-            if capacity < current && r.live_blocks() > 0 && untouched && small && self.lazily_resized() {
+            let pinned_down = r.live_blocks() > 0 && untouched && small && self.lazily_resized();
+            if capacity < current && (pinned_down || r.id() == self.cycles.adopted) {
                 sizing = Sizing::Keep;
             }
         }
@@ -1395,7 +1390,7 @@ impl Workspace {
             // is never taken for a small one.
             let held = self.accounts.own_live().saturating_sub(self.accounts.external_slot);
             self.cycles.spilled_in_room |= req.slot <= self.regions.current_capacity().saturating_sub(held);
-            if fresh && self.route.grows_by_spills && self.route.host && req.slot >= GIVE_BACK_MIN {
+            if fresh && self.route.grows_by_spills && self.route.host {
                 // A large block made beside the arena, where the arena's free runs lie idle (one
                 // pre-faulted for a cycle of another size): they go back as it comes, until the
                 // arena grown by the spill serves it.
@@ -1663,7 +1658,7 @@ impl Workspace {
                 self.accounts.uncount_arena(size, slot);
                 // SAFETY: the header is live, not borrowed, and names the region it lies in.
                 unsafe { self.regions.release(hp, at) };
-                if self.cycles.in_turn
+                if self.in_turn()
                     && at == InRegion::Current
                     && self.cycles.active == 0
                     && !self.cycles.destroyed
