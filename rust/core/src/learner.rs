@@ -233,10 +233,13 @@ impl CycleLearner {
 
     /// The arena grows to `target` bytes at the end of cycle `generation`, for the need
     /// `self.need`: where it shrank from about that size a short while ago, the need recurs, and
-    /// is held twice as long as before.
+    /// is held twice as long as before. A growth to less than that leaves the shrink on record:
+    /// the need may come back by steps (a cycle needing a little more than the shrunk arena,
+    /// then the outlier itself), and each step is a growth.
     fn regrow(&mut self, generation: u64, target: usize) {
-        if let Some((at, from)) = self.hold.shrunk.take() {
+        if let Some((at, from)) = self.hold.shrunk {
             if generation - at <= REGROWN_WITHIN && target.saturating_mul(2) >= from {
+                self.hold.shrunk = None;
                 self.hold.len = (self.hold.len * 2).clamp(REGROWN_WITHIN, MAX_HOLD);
                 self.hold.need = self.need;
                 self.hold.until = generation + self.hold.len;
@@ -418,6 +421,32 @@ mod tests {
         }
         assert_eq!(caps[0], capacity_for(&c, 16 * M));
         assert_eq!(current, capacity_for(&c, M), "a one-off outlier held: {caps:?}");
+    }
+
+    #[test]
+    fn an_outlier_that_comes_back_by_steps_is_held_too() {
+        // A training step of 11 cycles (layers forward, the loss, layers backward): one needs
+        // 877 KiB, the one before it 394 KiB, the others 200 KiB. Shrunk once the outlier has
+        // left the window, the arena grows back in two steps, and the second is the one that
+        // reaches the size it shrank from: it is held from then on, not shrunk and grown back
+        // every step (a region mapped and pre-faulted twice per training step).
+        let c = cfg(LearningPolicy::Adaptive, SpillPolicy::External);
+        let mut l = CycleLearner::new(&c);
+        let (mut current, mut remaps) = (0, Vec::new());
+        const K: usize = 1 << 10;
+        for g in 0..1100u64 {
+            let need = match g % 11 {
+                0 => 877 * K,
+                10 => 394 * K,
+                _ => 200 * K,
+            };
+            if let Sizing::Map { capacity, .. } = l.end_cycle(&c, g, facts(need, 0, 0, false), current, true) {
+                current = capacity;
+                remaps.push(g);
+            }
+        }
+        assert!(remaps.len() <= 6 && remaps.iter().all(|&g| g < 60), "remapped at cycles {remaps:?}");
+        assert_eq!(current, capacity_for(&c, 877 * K));
     }
 
     #[test]

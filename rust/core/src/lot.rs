@@ -11,9 +11,12 @@
 //! new owner gives it its own.
 //!
 //! The lot holds at most [`LOT_MAX`] regions (the oldest goes back to the system when one more
-//! is parked), a region nobody took while [`LOT_AGE`] others were parked or taken goes back (the
-//! workspaces entered in turn need fewer than were made before they were found to be), and
-//! those a workspace parked go back when it is dropped or destroyed. Parks and takes only try
+//! is parked), a region nobody took for two turns of the workspaces in turn goes back (they
+//! need fewer than were made before they were found to be in turn), and those a workspace parked
+//! go back when it is dropped or destroyed. A turn is the parks and takes between two takes of
+//! one workspace, the longest seen lately and [`LOT_AGE`] at least: a region the wide layers of
+//! a backward pass need at once waits out the narrow forward pass between, however many layers
+//! it has. Parks and takes only try
 //! its lock: a lot another thread is using is passed by. A workspace going away, and a look at
 //! what the lot holds, wait for it a bounded while.
 
@@ -23,8 +26,13 @@ use crate::lock::SpinLock;
 /// The most regions the lot keeps.
 pub(crate) const LOT_MAX: usize = 4;
 
-/// Parks and takes after which a region nobody took goes back to the system.
+/// Parks and takes after which a region nobody took goes back to the system, at least (see
+/// [`Lot::age`]).
 pub(crate) const LOT_AGE: u64 = 8;
+
+/// The longest turn counted, in parks and takes: a workspace that takes a region rarely (a
+/// validation loop's, every thousand steps) keeps none parked that long for it.
+const TURN_MAX: u64 = 256;
 
 /// Parks and takes for which the widest need a region was taken for keeps regions taken for
 /// narrower ones that wide (see [`take`]).
@@ -43,16 +51,20 @@ struct Lot {
     events: u64,
     /// The widest need a region was asked for, and the count of events until which it holds.
     wide: (usize, u64),
+    /// The longest turn seen lately (events between two takes of one workspace), and the count
+    /// of events until which it holds (two such turns).
+    turn: (u64, u64),
 }
 
 impl Lot {
     /// Counts a park or take, and moves the regions that have waited too long to `gone`
-    /// (room for [`LOT_MAX`] of them reserved).
+    /// (room for [`LOT_MAX`] of them reserved): two turns, or [`LOT_AGE`] events.
     fn age(&mut self, gone: &mut Vec<Parked>) {
         self.events += 1;
+        let wait = LOT_AGE.max(self.turn.0.saturating_mul(2));
         let mut i = 0;
         while i < self.parked.len() {
-            if self.events - self.parked[i].at > LOT_AGE && gone.len() < gone.capacity() {
+            if self.events - self.parked[i].at > wait && gone.len() < gone.capacity() {
                 gone.push(self.parked.remove(i));
             } else {
                 i += 1;
@@ -61,7 +73,7 @@ impl Lot {
     }
 }
 
-static LOT: SpinLock<Lot> = SpinLock::new(Lot { parked: Vec::new(), events: 0, wide: (0, 0) });
+static LOT: SpinLock<Lot> = SpinLock::new(Lot { parked: Vec::new(), events: 0, wide: (0, 0), turn: (0, 0) });
 
 /// The lot's lock where waiting for it is worth a little: it is held for a few list operations
 /// at a time, but a child forked while another thread held it finds it held for good, and must
@@ -112,13 +124,20 @@ pub(crate) fn park(region: ArenaRegion, by: u64) -> Option<ArenaRegion> {
 /// what it should serve from now on: `capacity`, or the widest need any region was asked for
 /// within the last [`WIDE_FOR`] parks and takes, if that is more (layers of different widths
 /// hand regions on without giving back pages that the next wider one faults in again; once the
-/// widest stops asking, regions shrink to what is still asked for).
-pub(crate) fn take(capacity: usize, max_mapped: usize) -> Option<(ArenaRegion, usize)> {
+/// widest stops asking, regions shrink to what is still asked for). `last_take` is the taker's
+/// own record of the events counted at its last take (0: none), which this one updates.
+pub(crate) fn take(capacity: usize, max_mapped: usize, last_take: &mut u64) -> Option<(ArenaRegion, usize)> {
     let mut gone = room_for_gone();
     let mut lot = LOT.try_lock()?;
     if capacity >= lot.wide.0 || lot.events > lot.wide.1 {
         lot.wide = (capacity, lot.events + WIDE_FOR);
     }
+    let events = lot.events;
+    let turn = events.wrapping_sub(*last_take);
+    if *last_take > 0 && turn <= TURN_MAX && (turn >= lot.turn.0 || events > lot.turn.1) {
+        lot.turn = (turn, events + 2 * turn);
+    }
+    *last_take = events.max(1);
     let serve = lot.wide.0.max(capacity);
     let fits = |p: &&Parked| (capacity..=max_mapped).contains(&p.region.mapped());
     let parked = &lot.parked;
@@ -133,7 +152,8 @@ pub(crate) fn take(capacity: usize, max_mapped: usize) -> Option<(ArenaRegion, u
 }
 
 /// Returns to the system the regions workspace `by` parked (it is going away, and nothing else
-/// is known to want them).
+/// is known to want them). Where that leaves the lot empty, the widest need and the longest turn
+/// seen go too: they were the workspaces' that are going away, not those that come next.
 pub(crate) fn evict(by: u64) {
     let gone: Vec<Parked> = {
         let mut gone = room_for_gone();
@@ -145,6 +165,9 @@ pub(crate) fn evict(by: u64) {
             } else {
                 i += 1;
             }
+        }
+        if lot.parked.is_empty() {
+            (lot.wide, lot.turn) = ((0, 0), (0, 0));
         }
         gone
     };

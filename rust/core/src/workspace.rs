@@ -275,6 +275,9 @@ struct Cycles {
     /// shrink: it may serve more than this workspace's need, for another's (the lot shrinks it
     /// once no workspace asks for that much).
     adopted: u64,
+    /// The lot's count of parks and takes at this workspace's last take from it (0: none): the
+    /// lot keeps regions parked for the turns it sees between a workspace's takes.
+    last_take: u64,
     /// Whether the block allocator's free memory was returned before the workspace's first
     /// large block of its own (see [`Workspace::new_external`]).
     trimmed: bool,
@@ -734,7 +737,8 @@ impl Workspace {
         if cap % page != 0 || self.accounts.overlapping() {
             return false;
         }
-        let Some((mut r, serve)) = crate::lot::take(cap, cap.saturating_mul(IN_PLACE_MAX)) else { return false };
+        let taken = crate::lot::take(cap, cap.saturating_mul(IN_PLACE_MAX), &mut self.cycles.last_take);
+        let Some((mut r, serve)) = taken else { return false };
         let id = self.regions.take_id();
         r.hand_over(id, self.token, self.limit.clone());
         if self.limit.take_over(r.base(), r.mapped()).is_err() {

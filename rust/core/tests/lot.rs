@@ -47,8 +47,20 @@ fn pass(ws: &mut [Workspace], x: &mut Option<(usize, NonNull<u8>, u8)>, seed: u8
 
 /// [`pass`], with layer `i`'s blocks of `sizes[i]` bytes.
 fn pass_of(ws: &mut [Workspace], sizes: &[usize], x: &mut Option<(usize, NonNull<u8>, u8)>, seed: u8) -> Vec<usize> {
+    let order: Vec<usize> = (0..ws.len()).collect();
+    pass_in(ws, &order, sizes, x, seed)
+}
+
+/// [`pass_of`], through the layers in `order` (backwards, for a backward pass).
+fn pass_in(
+    ws: &mut [Workspace],
+    order: &[usize],
+    sizes: &[usize],
+    x: &mut Option<(usize, NonNull<u8>, u8)>,
+    seed: u8,
+) -> Vec<usize> {
     let mut regions = Vec::new();
-    for i in 0..ws.len() {
+    for &i in order {
         let size = sizes[i];
         ws[i].enter().unwrap();
         let t = ws[i].alloc(size).unwrap();
@@ -267,4 +279,41 @@ fn regions_shrink_back_once_the_widest_layer_stops() {
     for w in &ws {
         w.verify();
     }
+}
+
+#[test]
+fn a_region_two_wide_layers_need_at_once_waits_out_the_narrow_pass_between() {
+    // A training step through twelve layers, a workspace each: a narrow forward pass, then a
+    // backward pass whose layers 2 and 1 are wide, layer 2's output living through layer 1's
+    // cycle. Two wide regions serve the backward pass, and the second waits in the lot through
+    // the forward pass (some forty parks and takes): it must still be there, not go back to the
+    // system and be mapped and pre-faulted again at every step.
+    let _alone = alone();
+    let n = 12;
+    let forward = vec![SIZE; n];
+    let mut backward = vec![SIZE; n];
+    (backward[1], backward[2]) = (12 * SIZE, 6 * SIZE);
+    let mut ws = layers(n, adaptive());
+    let mut x = None;
+    let prefaulted = |ws: &[Workspace]| ws.iter().map(Workspace::prefaulted_bytes).sum::<u64>();
+    let (down, up): (Vec<usize>, Vec<usize>) = ((0..n).collect(), (0..n).rev().collect());
+    let step = |ws: &mut [Workspace], x: &mut Option<(usize, NonNull<u8>, u8)>, round: u8| {
+        pass_in(ws, &down, &forward, x, round);
+        pass_in(ws, &up, &backward, x, round.wrapping_add(100));
+    };
+    let (settle, more) = (miri_or(6, 4) as u8, miri_or(10, 2) as u8);
+    for round in 0..settle {
+        step(&mut ws, &mut x, round);
+    }
+    let settled = prefaulted(&ws);
+    for round in settle..settle + more {
+        step(&mut ws, &mut x, round);
+        for w in &ws {
+            w.verify();
+        }
+    }
+    assert_eq!(prefaulted(&ws), settled, "a region was pre-faulted again at every step");
+    let (j, p, _) = x.take().unwrap();
+    // SAFETY: a live block of layer `j`, freed once.
+    unsafe { ws[j].free(p) };
 }
