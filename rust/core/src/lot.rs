@@ -16,9 +16,8 @@
 //! go back when it is dropped or destroyed. A turn is the parks and takes between two takes of
 //! one workspace, the longest seen lately and [`LOT_AGE`] at least: a region the wide layers of
 //! a backward pass need at once waits out the narrow forward pass between, however many layers
-//! it has. Parks and takes only try
-//! its lock: a lot another thread is using is passed by. A workspace going away, and a look at
-//! what the lot holds, wait for it a bounded while.
+//! it has. Parks and takes only try its lock: a lot another thread is using is passed by. A
+//! workspace going away, and a look at what the lot holds, wait for it a bounded while.
 
 use crate::arena::ArenaRegion;
 use crate::lock::SpinLock;
