@@ -7,7 +7,7 @@
 
 use crate::arena::{HEADER, LARGE_DATA_ALIGN};
 use crate::backend::checked_round_to_page;
-use crate::classes::{class_of, class_size, floor_class, PAGE_ALIGNED_SIZE};
+use crate::classes::{class_of, class_size, floor_class, COLOURED_SIZE, COLOUR_MIN, PAGE_ALIGNED_SIZE};
 use crate::learner::NEED_WINDOW;
 
 /// The statistics of the contract, all in bytes or counts.
@@ -123,14 +123,25 @@ impl CycleReport {
 const LARGE_SLOT: usize = PAGE_ALIGNED_SIZE + HEADER;
 /// The largest filler an arena puts in front of such a block.
 const MOST_PAD: usize = LARGE_DATA_ALIGN - HEADER;
+/// Blocks from this slot size up to [`LARGE_SLOT`] start their data [`COLOUR_MIN`] bytes into a
+/// page at least, behind a filler of at most that much.
+const COLOUR_SLOT: usize = COLOURED_SIZE + HEADER;
 
-/// A slot of `slot` bytes with the most filler it may take in an arena: a page-aligned block's.
-fn with_filler(slot: usize) -> usize {
+/// The most filler an arena puts in front of a block of `slot` bytes.
+#[inline(always)]
+fn filler(slot: usize) -> usize {
     if slot >= LARGE_SLOT {
-        slot + MOST_PAD
+        MOST_PAD
+    } else if slot >= COLOUR_SLOT {
+        COLOUR_MIN
     } else {
-        slot
+        0
     }
+}
+
+/// A slot of `slot` bytes with the most filler it may take in an arena.
+fn with_filler(slot: usize) -> usize {
+    slot + filler(slot)
 }
 
 /// Bytes a request of `size` takes where a workspace places it: its class's slot (the class
@@ -217,10 +228,11 @@ pub(crate) struct Accounts {
     /// results kept on from temporaries in flight only by how long it has lived ([`Ages`]).
     overlap: bool,
     ages: Ages,
-    /// Live blocks of the page-aligned classes, and how many of them are pinned: each may need a
-    /// filler in front of it in the arena, which the cycle's need includes.
-    pub large_live: usize,
-    pub large_pinned: usize,
+    /// The most filler the live blocks may need in front of them in the arena (those of the
+    /// page-aligned and the coloured classes), and what of it the pinned ones may: the cycle's
+    /// need includes it.
+    pub filler_live: usize,
+    pub filler_pinned: usize,
     /// Peak of live requested bytes in the open cycle, and in the last one.
     pub cycle_peak: u64,
     pub last_cycle_peak: u64,
@@ -240,9 +252,7 @@ impl Accounts {
     pub fn count_live(&mut self, slot: usize) {
         self.allocations += 1;
         self.live_slot += slot;
-        if slot >= LARGE_SLOT {
-            self.large_live += 1;
-        }
+        self.filler_live += filler(slot);
         self.own_peak = self.own_peak.max(self.own_live());
         self.cycle_peak = self.cycle_peak.max(self.used + self.external);
     }
@@ -250,21 +260,19 @@ impl Accounts {
     /// What the open cycle's own live blocks take in an arena, fillers included.
     #[inline(always)]
     pub(crate) fn own_live(&self) -> usize {
-        self.live_slot - self.pinned_slot + (self.large_live - self.large_pinned) * MOST_PAD
+        self.live_slot - self.pinned_slot + (self.filler_live - self.filler_pinned)
     }
 
     /// What all live blocks take in an arena, fillers included (as [`placed_size`] counts a request).
     pub fn held(&self) -> usize {
-        self.live_slot + self.large_live * MOST_PAD
+        self.live_slot + self.filler_live
     }
 
     /// A live block of `slot` bytes is gone.
     #[inline(always)]
     fn uncount_live(&mut self, slot: usize) {
         self.live_slot -= slot;
-        if slot >= LARGE_SLOT {
-            self.large_live -= 1;
-        }
+        self.filler_live -= filler(slot);
     }
 
     /// An arena block of `size` requested bytes in a slot of `slot` bytes was handed out.
@@ -316,11 +324,8 @@ impl Accounts {
         self.pinned_blocks -= 1;
         self.pinned -= size as u64;
         self.pinned_slot -= slot;
-        self.unpinned_slot += slot;
-        if slot >= LARGE_SLOT {
-            self.large_pinned -= 1;
-            self.unpinned_slot += MOST_PAD;
-        }
+        self.unpinned_slot += slot + filler(slot);
+        self.filler_pinned -= filler(slot);
     }
 
     /// What the open cycle needs: its own peak, and the state of earlier cycles it replaced.
@@ -425,7 +430,7 @@ impl Accounts {
         self.pinned_blocks = live_blocks;
         self.pinned = self.used + self.external;
         self.pinned_slot = self.live_slot;
-        self.large_pinned = self.large_live;
+        self.filler_pinned = self.filler_live;
         self.last_cycle_peak = self.cycle_peak;
         escaped
     }

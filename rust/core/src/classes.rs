@@ -20,6 +20,16 @@ pub const MAX_CLASS_SIZE: usize = 1 << MAX_EXP;
 /// modulo 4 KiB make the CPU take loads from one for stores to another (4K aliasing), which costs
 /// a loop over them 10-15%; at 128 KiB and more the padding costs at most 3%.
 pub const PAGE_ALIGNED_FROM: usize = 16 + (17 - 11) * 8 + 7;
+/// The first class (4 KiB) whose blocks an arena starts at least [`COLOUR_MIN`] bytes into a
+/// page, up to [`PAGE_ALIGNED_FROM`]: a vector that a BLAS or SIMD kernel writes while it reads
+/// rows of a large array (which start on a page, or 16 bytes into one where the C heap maps it)
+/// then takes stores that the loads of the next rows do not alias 4 KiB apart.
+pub const COLOURED_FROM: usize = 16 + 8 + 7;
+/// The size of class [`COLOURED_FROM`].
+pub const COLOURED_SIZE: usize = class_size_of(COLOURED_FROM);
+/// How far into a page the data of blocks from [`COLOURED_FROM`] on starts, at least.
+pub const COLOUR_MIN: usize = 512;
+const _: () = assert!(COLOURED_SIZE == 4 << 10 && class_size_of(COLOURED_FROM - 1) < 4 << 10);
 /// The size of class [`PAGE_ALIGNED_FROM`].
 pub const PAGE_ALIGNED_SIZE: usize = class_size_of(PAGE_ALIGNED_FROM);
 const _: () = assert!(PAGE_ALIGNED_SIZE == 128 << 10 && class_size_of(PAGE_ALIGNED_FROM - 1) < 128 << 10);
