@@ -1873,7 +1873,7 @@ mod tests {
     fn blocks_of_4_to_128_kib_start_their_data_512_bytes_or_more_into_a_page() {
         // A 16 KiB matrix-vector product's output written while the rows of a large array are
         // read, 4 KiB apart: stores 16 to 192 bytes behind the rows' page offset (0, or 16 where
-        // the C heap maps the array) alias their loads, and the product ran a fifth slower.
+        // the C heap maps the array) alias their loads, and the product ran a sixth slower.
         let mut r = ArenaRegion::new(1, 7, 8 << 20, Arc::new(HeapMemory), true).expect("a test region");
         let mut live = Vec::new();
         for (i, size) in [4096, 16 << 10, 100, 4000, 5000, 16 << 10, 1000, 60 << 10, 4096, 120 << 10]

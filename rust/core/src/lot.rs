@@ -151,8 +151,10 @@ pub(crate) fn take(capacity: usize, max_mapped: usize, last_take: &mut u64) -> O
 }
 
 /// Returns to the system the regions workspace `by` parked (it is going away, and nothing else
-/// is known to want them). Where that leaves the lot empty, the widest need and the longest turn
-/// seen go too: they were the workspaces' that are going away, not those that come next.
+/// is known to want them). Where it parked some and that leaves the lot empty, the widest need
+/// and the longest turn seen go too: they were the workspaces' that are going away, not those
+/// that come next (a workspace that parked nothing, dropped while the others in turn hold their
+/// regions, leaves them be).
 pub(crate) fn evict(by: u64) {
     let gone: Vec<Parked> = {
         let mut gone = room_for_gone();
@@ -165,7 +167,7 @@ pub(crate) fn evict(by: u64) {
                 i += 1;
             }
         }
-        if lot.parked.is_empty() {
+        if !gone.is_empty() && lot.parked.is_empty() {
             (lot.wide, lot.turn) = ((0, 0), (0, 0));
         }
         gone
