@@ -308,6 +308,20 @@ def test_workspaces_entered_in_turn_hold_about_one_arena_between_them():
 
 
 _TRAINING = """
+    import logging
+
+    class Refaults(logging.Handler):
+        # The workspaces' own account of what their arenas took once settled: a region mapped
+        # anew, or pages faulted in again as a cycle opens.
+        count, on = 0, False
+
+        def emit(self, record):
+            text = record.getMessage()
+            Refaults.count += Refaults.on and ("page faults while opening" in text or "remapped" in text)
+
+    log = logging.getLogger("rustws")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Refaults())
     widths = [64, 512, 128, 256, 32, 10]
     n = len(widths) - 1
     ws = [rustws.workspace(f"layer{{i}}") for i in range(n)] if {per_layer} else [rustws.workspace("net")] * n
@@ -337,28 +351,29 @@ _TRAINING = """
 
     for k in range(60):
         step(k)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    Refaults.on = True
     for k in range(60, 160):
         step(k)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    print(faults, float(sum(float(w.sum()) for w in W)))
+    print(Refaults.count, float(sum(float(w.sum()) for w in W)))
 """
 
 
 @pytest.mark.parametrize("per_layer", [True, False], ids=["a workspace per layer", "one workspace"])
-def test_a_training_loop_settles_without_page_faults(per_layer):
+def test_a_training_loop_settles_without_faulting_its_arenas_in_again(per_layer):
     # Forward through five layers, the loss, backward through them: eleven cycles a step, one of
     # them (a layer's weight gradient) the widest by far. Once settled, the arenas serve every
     # step from memory already resident. They did not: one workspace shrank its arena each time
     # the wide cycle left the learner's window and grew it back in two steps (one too small to
     # count as the same need coming back); a workspace per layer gave back, each step, the
     # region its wide backward cycle takes, which waited in the lot through the forward pass.
-    # Both faulted some 120-170 pages in a step.
-    faults, total = _child(_TRAINING.format(per_layer=per_layer))
+    # Both mapped a region or faulted 120-170 pages in again at every step. (The process's own
+    # page faults tell the interpreter's allocator apart from the arenas on no interpreter: on
+    # CPython 3.13 its arenas come and go every other step of this loop with or without one.)
+    events, total = _child(_TRAINING.format(per_layer=per_layer))
     plain = _child(
         _TRAINING.replace("with ws[i]:", "if True:")
         .replace("with ws[-1]:", "if True:")
         .format(per_layer=False)
     )
     assert total == plain[1], "the same weights"
-    assert faults <= plain[0] + 500, f"{faults:.0f} page faults in 100 settled steps, {plain[0]:.0f} plainly"
+    assert events == 0, f"{events:.0f} arena remaps or re-faults in 100 settled steps"
