@@ -366,9 +366,10 @@ def test_a_training_loop_settles_without_faulting_its_arenas_in_again(per_layer)
     # the wide cycle left the learner's window and grew it back in two steps (one too small to
     # count as the same need coming back); a workspace per layer gave back, each step, the
     # region its wide backward cycle takes, which waited in the lot through the forward pass.
-    # Both mapped a region or faulted 120-170 pages in again at every step. (The process's own
-    # page faults tell the interpreter's allocator apart from the arenas on no interpreter: on
-    # CPython 3.13 its arenas come and go every other step of this loop with or without one.)
+    # Both mapped a region or faulted 120-170 pages in again at every step. (Not the process's
+    # page faults: on CPython 3.13 this loop under one workspace takes 70 every other step that
+    # its arena does not, its capacity and spills unchanged, and none once logging keeps a few
+    # more Python objects alive.)
     events, total = _child(_TRAINING.format(per_layer=per_layer))
     plain = _child(
         _TRAINING.replace("with ws[i]:", "if True:")
