@@ -5,9 +5,9 @@
 //! peaks, the allocation count); everything else is derived when asked, or updated off the hot
 //! path (spills, frees of pinned blocks, cycle ends).
 
-use crate::arena::{HEADER, LARGE_DATA_ALIGN};
+use crate::arena::{most_filler as filler, HEADER};
 use crate::backend::checked_round_to_page;
-use crate::classes::{class_of, class_size, floor_class, COLOURED_SIZE, COLOUR_MIN, PAGE_ALIGNED_SIZE};
+use crate::classes::{class_of, class_size, floor_class};
 use crate::learner::NEED_WINDOW;
 
 /// The statistics of the contract, all in bytes or counts.
@@ -116,26 +116,6 @@ impl CycleReport {
     /// Whether the close remapped the arena (mapped, grew, shrank or released it).
     pub fn remapped(&self) -> bool {
         self.arena_before != self.arena_after
-    }
-}
-
-/// Blocks from this slot size up belong to the page-aligned classes.
-const LARGE_SLOT: usize = PAGE_ALIGNED_SIZE + HEADER;
-/// The largest filler an arena puts in front of such a block.
-const MOST_PAD: usize = LARGE_DATA_ALIGN - HEADER;
-/// Blocks from this slot size up to [`LARGE_SLOT`] start their data [`COLOUR_MIN`] bytes into a
-/// page at least, behind a filler of at most that much.
-const COLOUR_SLOT: usize = COLOURED_SIZE + HEADER;
-
-/// The most filler an arena puts in front of a block of `slot` bytes.
-#[inline(always)]
-fn filler(slot: usize) -> usize {
-    if slot >= LARGE_SLOT {
-        MOST_PAD
-    } else if slot >= COLOUR_SLOT {
-        COLOUR_MIN
-    } else {
-        0
     }
 }
 
@@ -439,6 +419,12 @@ impl Accounts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arena::LARGE_DATA_ALIGN;
+    use crate::classes::PAGE_ALIGNED_SIZE;
+
+    /// A block of the smallest page-aligned class, and the most filler in front of it.
+    const LARGE_SLOT: usize = PAGE_ALIGNED_SIZE + HEADER;
+    const MOST_PAD: usize = LARGE_DATA_ALIGN - HEADER;
 
     /// `FIELDS` names the struct's fields in declaration order: checked against the derived
     /// `Debug`, which prints them so.

@@ -28,7 +28,8 @@ use std::sync::Arc;
 
 use crate::backend::{AnonymousMemory, Backend, BLOCK_ALIGN, HUGE_PAGE_THRESHOLD};
 use crate::classes::{
-    class_of, class_size, ClassSet, CLASSES, COLOURED_FROM, COLOUR_MIN, PAGE_ALIGNED_FROM, PAGE_ALIGNED_SIZE,
+    class_of, class_size, ClassSet, CLASSES, COLOURED_FROM, COLOURED_SIZE, COLOUR_MIN, PAGE_ALIGNED_FROM,
+    PAGE_ALIGNED_SIZE,
 };
 use crate::error::BackendError;
 use crate::fallible::try_box;
@@ -58,6 +59,19 @@ const GIVE_BACK_SCAN: usize = 1024;
 
 /// Where the data of blocks of the classes from [`PAGE_ALIGNED_FROM`] on starts (see there).
 pub(crate) const LARGE_DATA_ALIGN: usize = 4096;
+
+/// The most filler an arena puts in front of a block of `slot` bytes ([`ArenaRegion::pad`]):
+/// up to a page for the page-aligned classes, [`COLOUR_MIN`] for the coloured ones.
+#[inline(always)]
+pub(crate) fn most_filler(slot: usize) -> usize {
+    if slot >= PAGE_ALIGNED_SIZE + HEADER {
+        LARGE_DATA_ALIGN - HEADER
+    } else if slot >= COLOURED_SIZE + HEADER {
+        COLOUR_MIN
+    } else {
+        0
+    }
+}
 
 const MAGIC_LIVE: u32 = 0x5257_534C; // "RWSL"
 pub(crate) const MAGIC_FREE: u32 = 0x5257_5346; // "RWSF"
@@ -1273,12 +1287,7 @@ impl ArenaRegion {
                 return Some((off, class_size(c) + HEADER));
             }
         }
-        let most_pad = match class {
-            c if c >= PAGE_ALIGNED_FROM => LARGE_DATA_ALIGN - HEADER,
-            c if c >= COLOURED_FROM => COLOUR_MIN,
-            _ => 0,
-        };
-        if !self.find_hole(slot + most_pad) {
+        if !self.find_hole(slot + most_filler(slot)) {
             return None;
         }
         self.carve_here(class, slot).map(|off| (off, slot))

@@ -378,6 +378,25 @@ mod tests {
         }
     }
 
+    /// Ends cycles `gens` needing `need(g)` each over an arena of `current` bytes, which each
+    /// sizing resizes; returns the cycles that remapped it.
+    fn drive(
+        l: &mut CycleLearner,
+        c: &WorkspaceConfiguration,
+        gens: std::ops::Range<u64>,
+        current: &mut usize,
+        need: impl Fn(u64) -> usize,
+    ) -> Vec<u64> {
+        let mut remaps = Vec::new();
+        for g in gens {
+            if let Sizing::Map { capacity, .. } = l.end_cycle(c, g, facts(need(g), 0, 0, false), *current, true) {
+                *current = capacity;
+                remaps.push(g);
+            }
+        }
+        remaps
+    }
+
     #[test]
     fn an_outlier_that_recurs_is_held_longer_each_time_it_comes_back() {
         // Batches of changing sizes: a large one every 12 cycles, a gap longer than the window.
@@ -385,26 +404,14 @@ mod tests {
         // at the second; from then on the need is held, and the arena is not remapped again.
         let c = cfg(LearningPolicy::Adaptive, SpillPolicy::External);
         let mut l = CycleLearner::new(&c);
-        let (mut current, mut remaps) = (0, Vec::new());
+        let mut current = 0;
         const M: usize = 1 << 20;
-        for g in 0..600u64 {
-            let need = if g % 12 == 1 { 16 * M } else { M };
-            if let Sizing::Map { capacity, .. } = l.end_cycle(&c, g, facts(need, 0, 0, false), current, true) {
-                current = capacity;
-                remaps.push(g);
-            }
-        }
+        let remaps = drive(&mut l, &c, 0..600, &mut current, |g| if g % 12 == 1 { 16 * M } else { M });
         assert!(remaps.len() <= 4 && remaps.iter().all(|&g| g < 40), "remapped at cycles {remaps:?}");
         assert_eq!(current, capacity_for(&c, 16 * M));
         // Once the outlier stops for good, the arena shrinks after the hold, at most MAX_HOLD cycles.
-        let mut shrunk_at = None;
-        for g in 600..600 + MAX_HOLD + NEED_WINDOW as u64 + 1 {
-            if let Sizing::Map { capacity, .. } = l.end_cycle(&c, g, facts(M, 0, 0, false), current, true) {
-                current = capacity;
-                shrunk_at.get_or_insert(g);
-            }
-        }
-        assert_eq!(current, capacity_for(&c, M), "shrunk back at {shrunk_at:?}");
+        let shrunk = drive(&mut l, &c, 600..600 + MAX_HOLD + NEED_WINDOW as u64 + 1, &mut current, |_| M);
+        assert_eq!(current, capacity_for(&c, M), "shrunk back at {:?}", shrunk.first());
         // A hold that ran out with no recurrence is forgotten: a later one-off outlier shrinks
         // back once it has left the window, as the first one did.
         let g0 = 600 + MAX_HOLD + NEED_WINDOW as u64 + 1 + 2 * REGROWN_WITHIN;
@@ -432,19 +439,13 @@ mod tests {
         // every step (a region mapped and pre-faulted twice per training step).
         let c = cfg(LearningPolicy::Adaptive, SpillPolicy::External);
         let mut l = CycleLearner::new(&c);
-        let (mut current, mut remaps) = (0, Vec::new());
+        let mut current = 0;
         const K: usize = 1 << 10;
-        for g in 0..1100u64 {
-            let need = match g % 11 {
-                0 => 877 * K,
-                10 => 394 * K,
-                _ => 200 * K,
-            };
-            if let Sizing::Map { capacity, .. } = l.end_cycle(&c, g, facts(need, 0, 0, false), current, true) {
-                current = capacity;
-                remaps.push(g);
-            }
-        }
+        let remaps = drive(&mut l, &c, 0..1100, &mut current, |g| match g % 11 {
+            0 => 877 * K,
+            10 => 394 * K,
+            _ => 200 * K,
+        });
         assert!(remaps.len() <= 6 && remaps.iter().all(|&g| g < 60), "remapped at cycles {remaps:?}");
         assert_eq!(current, capacity_for(&c, 877 * K));
     }
