@@ -89,11 +89,13 @@ def test_first_loop_learns_then_has_zero_page_faults():
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     s = ws.stats()
     assert s.spill_count == 0 and s.capacity_bytes >= 32_000_000
-    # The learning cycle faults in its 32 MB (in huge pages where the system has them, as NumPy's
-    # own large arrays do); learned cycles reuse pre-faulted memory. (The strict zero is measured
-    # in benches/; here a small allowance absorbs the interpreter's own faults.)
-    assert faults[0] > 50
-    assert max(faults[2:]) < 50, faults
+    # The learning cycle faults in its 32 MB: 7,800 faults in 4 KiB pages, and at least 15 where
+    # the system backs it with 2 MiB huge pages, as it does NumPy's own large arrays when it has
+    # them free. Learned cycles reuse pre-faulted memory: fewer faults than even huge pages would
+    # take. (The strict zero is measured in benches/; the interpreter may fault on its own.)
+    huge_pages = -(-32_000_000 // (2 * MiB))
+    assert faults[0] >= huge_pages - 1, faults
+    assert max(faults[2:]) < huge_pages - 1, faults
 
 
 def test_array_kept_past_its_cycle_keeps_contents_for_100_cycles_and_is_pinned():
