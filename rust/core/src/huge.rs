@@ -78,6 +78,26 @@ fn alike(a: usize, b: usize) -> bool {
     a.abs_diff(b) <= a.min(b) / 4
 }
 
+/// The size of a huge page (x86-64 and most AArch64 kernels): the unit in which the system faults
+/// memory advised for huge pages.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// The first bytes of a huge block that always fault in small pages.
+const SMALL_HEAD: usize = 256 << 10;
+
+/// Advises small pages for the head of a fresh huge mapping: its header and the first
+/// [`SMALL_HEAD`] bytes of its block, up to the next huge-page boundary; huge pages stay advised
+/// behind. The header alone, the first rows of a 3.6 GB `np.empty` or one early element of a
+/// lazily zeroed `np.zeros` then fault in 4 KiB, not in 2 MiB that the system zeroes first,
+/// however the mapping lies against huge-page boundaries. NumPy's own large arrays keep small
+/// pages in front of their first boundary (0 to 2 MiB, by chance); these keep 256 KiB to
+/// 2.25 MiB, which a fresh block used whole faults in one 4 KiB page at a time.
+pub(crate) fn spare_head(backend: &dyn Backend, at: NonNull<u8>, len: usize) {
+    let start = at.as_ptr() as usize;
+    let head_end = (start + HEADER + SMALL_HEAD).next_multiple_of(HUGE_PAGE).min(start + len);
+    backend.huge_pages(at, head_end - start, false);
+}
+
 /// The freed huge mappings of a workspace, and the length of the live ones.
 #[derive(Debug, Default)]
 pub(crate) struct HugeCache {

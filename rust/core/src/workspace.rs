@@ -65,7 +65,7 @@ use crate::config::{
 use crate::error::{BackendError, Error, Name, Refusal};
 use crate::external::OwnBlocks;
 use crate::history::{Action, LiveBlock, Recorder, Segment, SegmentKind};
-use crate::huge::{HugeCache, HUGE_BLOCK_MIN};
+use crate::huge::{spare_head, HugeCache, HUGE_BLOCK_MIN};
 use crate::learner::{CycleFacts, CycleLearner, Sizing, MAX_HOLD, NEED_WINDOW};
 use crate::regions::{InRegion, Regions};
 
@@ -1495,6 +1495,7 @@ impl Workspace {
                 // requests of changing sizes (one long cycle over varied work) never add up.
                 self.huge.release_all(&*self.limit);
                 let at = self.within_limit(req.size, |ws| ws.limit.map(len, false))?;
+                spare_head(&*self.limit, at, len);
                 (at, len)
             }
         };
