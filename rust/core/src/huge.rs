@@ -98,12 +98,43 @@ pub(crate) fn spare_head(backend: &dyn Backend, at: NonNull<u8>, len: usize) {
     backend.huge_pages(at, head_end - start, false);
 }
 
+/// Live huge mappings the cache knows by place, at most.
+const LIVE: usize = 8;
+
+/// Pages of a live mapping looked at to tell whether it was written yet.
+const SAMPLES: usize = 8;
+
+/// Whether the mapping of `len` bytes at `at` has at most one of [`SAMPLES`] pages spread over
+/// it resident (its first pages, which the header and the first rows touch, left out). False
+/// where the system cannot say.
+fn unwritten(at: usize, len: usize) -> bool {
+    let page = crate::backend::page_bytes();
+    let from = (at + HUGE_PAGE).min(at + len - page);
+    let step = ((at + len - from) / SAMPLES / page).max(1) * page;
+    let mut resident = 0;
+    for k in 0..SAMPLES {
+        let p = from + k * step;
+        if p + page > at + len {
+            break;
+        }
+        let sample = NonNull::new(p as *mut u8).expect("inside a mapping");
+        let known = crate::backend::resident_runs(sample, page, |_, _, r| resident += usize::from(r));
+        if !known {
+            return false;
+        }
+    }
+    resident <= 1
+}
+
 /// The freed huge mappings of a workspace, and the length of the live ones.
 #[derive(Debug, Default)]
 pub(crate) struct HugeCache {
     cached: Vec<CachedMapping>,
     /// Total length of the live huge mappings.
     pub live_len: usize,
+    /// The live huge mappings, start and length (`(0, 0)`: an empty slot); beyond [`LIVE`] of
+    /// them, the others go unlisted.
+    live: [(usize, usize); LIVE],
     /// The sizes in use lately (`len == 0`: an empty slot).
     seen: [Seen; SEEN],
     /// Passes ended so far: cycles, and nested levels left inside them.
@@ -143,13 +174,46 @@ impl HugeCache {
             .any(|s| s.len != 0 && alike(s.len, len) && (s.passes.recurs(self.passes) || s.cycles.recurs(generation)))
     }
 
+    /// A mapping of `len` bytes at `at` was handed out.
+    pub fn note_live(&mut self, at: NonNull<u8>, len: usize) {
+        self.live_len += len;
+        if let Some(slot) = self.live.iter_mut().find(|s| s.1 == 0) {
+            *slot = (at.as_ptr() as usize, len);
+        }
+    }
+
+    /// The live mapping of `len` bytes at `at` was freed.
+    pub fn note_dead(&mut self, at: NonNull<u8>, len: usize) {
+        self.live_len -= len;
+        if let Some(slot) = self.live.iter_mut().find(|s| s.0 == at.as_ptr() as usize) {
+            *slot = (0, 0);
+        }
+    }
+
+    /// Whether a live mapping of a size alike to `len` is still unwritten: its pages not
+    /// resident, as a fresh mapping's (or a reused one given back to zeros) are until the caller
+    /// writes them. Sampled at a few pages; false where the system cannot say.
+    fn beside_unwritten(&self, len: usize) -> bool {
+        self.live.iter().any(|&(at, live)| live != 0 && alike(live, len) && unwritten(at, live))
+    }
+
     /// A freed mapping: kept for reuse where its size recurs from pass to pass, else released
     /// now. `generation`: the cycle, for [`HugeCache::release_stale`].
+    ///
+    /// A mapping freed beside a live one of its size that nobody wrote yet (`a = np.empty(n)`
+    /// rebinding `a`, then `a[:] = ...`) is kept with its pages given back: NumPy's own would
+    /// unmap it before the new one's pages fault in, and kept resident it would double the
+    /// peak. Freed beside a written one (`u = t + 1`, then `t` freed and its mapping taken by
+    /// the next temporary), it keeps its pages, which the next request of its size writes.
     ///
     /// # Safety
     /// As for [`HugeCache::put`].
     pub unsafe fn put_or_release(&mut self, backend: &dyn Backend, at: NonNull<u8>, len: usize, generation: u64) {
         if self.recurs(len, generation) {
+            if self.beside_unwritten(len) {
+                // A refusal (locked memory) leaves the pages resident, as they were.
+                backend.discard(at, len);
+            }
             // SAFETY: forwarded.
             unsafe { self.put(backend, at, len, generation) };
         } else {
@@ -206,6 +270,15 @@ impl HugeCache {
     /// Releases every cached mapping.
     pub fn release_all(&mut self, backend: &dyn Backend) {
         self.release(backend, |_| true);
+    }
+
+    /// Releases the cached mappings too small for any request of `least` bytes or more, the
+    /// least a request takes to be huge: once a cycle's need has grown, requests of their size
+    /// are served by the arena, and they would stay resident beside it unused.
+    pub fn release_smaller_than(&mut self, backend: &dyn Backend, least: usize) {
+        if !self.cached.is_empty() {
+            self.release(backend, |m| m.len < least.saturating_add(HEADER));
+        }
     }
 
     #[inline(never)]

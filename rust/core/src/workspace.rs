@@ -1032,6 +1032,7 @@ impl Workspace {
         self.cycles.remapped = (apart || !matches!(sizing, Sizing::Keep)) && self.size_at_close(sizing, apart, current);
         self.huge.end_pass();
         self.huge.release_stale(&*self.limit, self.cycles.completed);
+        self.huge.release_smaller_than(&*self.limit, HUGE_BLOCK_MIN.max(self.learner.need / 2));
         self.settle_external_cache();
         self.cycles.spilled = 0;
         self.cycles.spilled_in_room = false;
@@ -1494,7 +1495,13 @@ impl Workspace {
                 // What is cached does not recur: it goes back before more is mapped, so that huge
                 // requests of changing sizes (one long cycle over varied work) never add up.
                 self.huge.release_all(&*self.limit);
-                let at = self.within_limit(req.size, |ws| ws.limit.map(len, false))?;
+                // Mapped for its class, so that a later request a little larger takes it again;
+                // where `max_size` leaves no room for that, for the request alone.
+                let exact = round_to_page(req.size + HEADER);
+                let (at, len) = self.within_limit(req.size, |ws| match ws.limit.map(len, false) {
+                    Err(e) if exact < len && ws.is_our_limit(&e) => ws.limit.map(exact, false).map(|at| (at, exact)),
+                    mapped => mapped.map(|at| (at, len)),
+                })?;
                 spare_head(&*self.limit, at, len);
                 (at, len)
             }
@@ -1505,7 +1512,7 @@ impl Workspace {
         let p = unsafe { write_live_header(at, BlockKind::Huge, self.token, 0, len, req.size, self.cycles.epoch) };
         // SAFETY: its header sits in front of it, readable until the free; room was reserved.
         unsafe { self.own.register(p) };
-        self.huge.live_len += len;
+        self.huge.note_live(at, len);
         self.accounts.count_huge(req.size);
         Ok(p)
     }
@@ -1678,13 +1685,13 @@ impl Workspace {
                 if pinned {
                     self.accounts.unpin(size, 0);
                 }
-                self.huge.live_len -= slot;
                 self.own.unregister(p);
                 // SAFETY: the header is ours to write, and nothing else refers to it any more.
                 unsafe { (*hp.as_ptr()).magic = 0 };
                 // SAFETY: a huge block's mapping starts at its header and is `slot` bytes long;
                 // the caller gives the block up.
                 let at = unsafe { p.sub(HEADER) };
+                self.huge.note_dead(at, slot);
                 if self.cycles.destroyed {
                     // SAFETY: as above.
                     unsafe { self.limit.unmap(at, slot) };

@@ -849,6 +849,117 @@ fn the_head_of_a_huge_block_faults_in_small_pages_and_the_rest_in_huge_ones() {
     w.exit().unwrap();
 }
 
+/// Bytes of the whole pages of `[p, p + len)` resident now (`mincore`).
+fn resident(p: NonNull<u8>, len: usize) -> usize {
+    let page = rustws_core::backend::page_bytes();
+    let (a, b) = ((p.as_ptr() as usize).next_multiple_of(page), (p.as_ptr() as usize + len) / page * page);
+    let mut vec = vec![0u8; (b - a) / page];
+    // SAFETY: whole pages of a mapping of ours (live or cached), and a byte a page to answer in.
+    assert_eq!(unsafe { libc::mincore(a as *mut libc::c_void, b - a, vec.as_mut_ptr()) }, 0);
+    vec.iter().filter(|&&v| v & 1 == 1).count() * page
+}
+
+/// Writes a byte in every page of `[p, p + len)`.
+fn touch(p: NonNull<u8>, len: usize, byte: u8) {
+    for i in (0..len).step_by(4096) {
+        // SAFETY: inside a live block of `len` bytes.
+        unsafe { p.as_ptr().add(i).write(byte) };
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore: no page is known resident")]
+fn a_huge_block_freed_beside_an_unwritten_one_of_its_size_gives_its_pages_back() {
+    let mut w = Workspace::new("REBIND", WorkspaceConfiguration::adaptive()).unwrap();
+    let size = HUGE_BLOCK_MIN;
+    // `a = np.empty(n); a[:] = ...` each cycle: the new block is made while the old one lives,
+    // and written once the rebinding has freed the old one.
+    let mut a: Option<NonNull<u8>> = None;
+    let mut kept = Vec::new();
+    for cycle in 0..5u8 {
+        w.enter().unwrap();
+        let b = w.alloc(size).unwrap();
+        if let Some(old) = a.take() {
+            // SAFETY: live, freed once.
+            unsafe { w.free(old) };
+            if w.huge_cached().0 == 1 {
+                kept.push(resident(old, size));
+            }
+        }
+        touch(b, size, cycle);
+        a = Some(b);
+        w.exit().unwrap();
+    }
+    assert!(kept.len() >= 3, "the mappings freed are kept for the next cycle: {kept:?}");
+    assert!(kept.iter().all(|&r| r < size / 64), "kept without their pages: {kept:?}");
+    // SAFETY: live, freed once.
+    unsafe { w.free(a.unwrap()) };
+    // Temporaries in a chain (`u = t + 1`, `t` freed, `v = np.tanh(u)`): the block freed beside a
+    // written one keeps its pages, and the next request of its size takes them.
+    for _ in 0..3 {
+        w.enter().unwrap();
+        let t = w.alloc(size).unwrap();
+        touch(t, size, 1);
+        let u = w.alloc(size).unwrap();
+        touch(u, size, 2);
+        // SAFETY: live, freed once.
+        unsafe { w.free(t) };
+        let pages = resident(t, size);
+        let v = w.alloc(size).unwrap();
+        if w.stats().cycles >= 2 {
+            assert!(pages > size / 2, "kept with its pages: {pages}");
+            assert_eq!(v, t, "and taken again");
+        }
+        // SAFETY: live, freed once each.
+        unsafe {
+            w.free(u);
+            w.free(v);
+        }
+        w.exit().unwrap();
+    }
+}
+
+#[test]
+fn cached_huge_mappings_too_small_to_be_huge_any_more_are_released() {
+    let mut w = Workspace::new("OUTGROWN", WorkspaceConfiguration::adaptive()).unwrap();
+    let size = HUGE_BLOCK_MIN;
+    for _ in 0..2 {
+        w.enter().unwrap();
+        let p = w.alloc(size).unwrap();
+        // SAFETY: live, freed once.
+        unsafe { w.free(p) };
+        w.exit().unwrap();
+    }
+    assert_eq!(w.huge_cached().0, 1, "kept while its size recurs");
+    // A cycle that also needs three times as much beside it: requests of its size go to the
+    // arena from the next cycle on, and the mapping would never serve again.
+    w.enter().unwrap();
+    let p = w.alloc(size).unwrap();
+    // SAFETY: live, freed once.
+    unsafe { w.free(p) };
+    let more: Vec<_> = (0..48).map(|_| w.alloc(4 * MIB).unwrap()).collect();
+    for q in more {
+        // SAFETY: live, freed once.
+        unsafe { w.free(q) };
+    }
+    w.exit().unwrap();
+    assert_eq!(w.huge_cached(), (0, 0), "released once the need outgrew it");
+}
+
+#[test]
+fn a_huge_request_that_fits_max_size_only_unrounded_is_served() {
+    let size = 500 * MIB;
+    let c = WorkspaceConfiguration { max_size: (512 * MIB) as u64, ..WorkspaceConfiguration::adaptive() };
+    let mut w = Workspace::new("EXACT", c).unwrap();
+    w.enter().unwrap();
+    // Its class is 512 MiB, and with its header a mapping of that class would pass the limit.
+    let p = w.alloc(size).expect("500 MiB under a max_size of 512 MiB");
+    // SAFETY: live, freed once.
+    unsafe { w.free(p) };
+    assert!(w.alloc(513 * MIB).is_err(), "and past it refused");
+    w.exit().unwrap();
+}
+
 #[test]
 fn huge_mappings_recur_across_nested_levels_and_not_every_other_cycle() {
     let mut w = Workspace::new("HUGE", WorkspaceConfiguration::adaptive()).unwrap();
