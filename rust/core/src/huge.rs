@@ -109,12 +109,14 @@ const SAMPLES: usize = 8;
 /// where the system cannot say.
 fn unwritten(at: usize, len: usize) -> bool {
     let page = crate::backend::page_bytes();
-    let from = (at + HUGE_PAGE).min(at + len - page);
-    let step = ((at + len - from) / SAMPLES / page).max(1) * page;
+    let end = (at + len) / page * page;
+    let Some(last) = end.checked_sub(page).filter(|&last| last >= at) else { return false };
+    let from = (at + HUGE_PAGE).next_multiple_of(page).min(last);
+    let step = ((end - from) / SAMPLES / page).max(1) * page;
     let mut resident = 0;
     for k in 0..SAMPLES {
         let p = from + k * step;
-        if p + page > at + len {
+        if p + page > end {
             break;
         }
         let sample = NonNull::new(p as *mut u8).expect("inside a mapping");
@@ -226,8 +228,10 @@ impl HugeCache {
     /// the cache: of those that fit, the last freed. Its pages are the likeliest to be resident
     /// still: a zeroed request reused a mapping by dropping its pages, and a loop's result written
     /// last was freed last (taking an emptier one would fault in a second copy beside it).
-    pub fn take(&mut self, len: usize) -> Option<(NonNull<u8>, usize)> {
-        let fits = |m: &CachedMapping| m.len >= len && m.len - len <= len / 4;
+    /// `least`: the fewest bytes that serve the request (a mapping made at the request's own
+    /// size under `max_size` is shorter than its class's `len`).
+    pub fn take(&mut self, len: usize, least: usize) -> Option<(NonNull<u8>, usize)> {
+        let fits = |m: &CachedMapping| m.len >= least.min(len) && m.len <= len + len / 4;
         let i = (0..self.cached.len()).filter(|&i| fits(&self.cached[i])).max_by_key(|&i| self.cached[i].freed)?;
         let m = self.cached.swap_remove(i);
         unpoison(m.at.as_ptr(), m.len);
@@ -323,9 +327,9 @@ mod tests {
         // SAFETY: a mapping of HeapMemory that nothing uses.
         unsafe { c.put(&HeapMemory, at, 8192, 0) };
         assert_eq!(c.cached(), (1, 8192));
-        assert_eq!(c.take(4096), None, "half the size: mapped anew, the cache stays");
-        assert_eq!(c.take(8193), None, "larger: never");
-        assert_eq!(c.take(7000), Some((at, 8192)));
+        assert_eq!(c.take(4096, 4096), None, "half the size: mapped anew, the cache stays");
+        assert_eq!(c.take(8193, 8193), None, "larger: never");
+        assert_eq!(c.take(7000, 7000), Some((at, 8192)));
         assert_eq!(c.cached(), (0, 0));
         // SAFETY: taken back out of the cache: ours to give up again.
         unsafe { c.put(&HeapMemory, at, 8192, 0) };
@@ -405,12 +409,12 @@ mod tests {
             c.put(&HeapMemory, first, 8192, 0);
             c.put(&HeapMemory, last, 8192, 0);
         }
-        assert_eq!(c.take(8000), Some((last, 8192)), "the warmest");
+        assert_eq!(c.take(8000, 8000), Some((last, 8192)), "the warmest");
         // SAFETY: taken back out of the cache: ours to give up again, after `first`.
         unsafe { c.put(&HeapMemory, last, 8192, 0) };
-        let other = c.take(8000).map(|(at, _)| at);
+        let other = c.take(8000, 8000).map(|(at, _)| at);
         assert_eq!(other, Some(last));
-        assert_eq!(c.take(8000), Some((first, 8192)));
+        assert_eq!(c.take(8000, 8000), Some((first, 8192)));
         // SAFETY: taken out of the cache: ours to give up.
         unsafe {
             HeapMemory.unmap(first, 8192);

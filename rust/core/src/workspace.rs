@@ -1029,10 +1029,11 @@ impl Workspace {
         let apart = self.cycles.active == 0 && self.route.apart && self.replace_for_apart();
         let sizing = self.learner.end_cycle(&self.config, self.cycles.completed - 1, facts, current, self.route.arena);
         // Most closes keep the arena as it is: what sizes it lies out of their way.
+        // Before the arena is sized for the new need: what no request takes any more goes first.
+        self.huge.release_smaller_than(&*self.limit, HUGE_BLOCK_MIN.max(self.learner.need / 2));
         self.cycles.remapped = (apart || !matches!(sizing, Sizing::Keep)) && self.size_at_close(sizing, apart, current);
         self.huge.end_pass();
         self.huge.release_stale(&*self.limit, self.cycles.completed);
-        self.huge.release_smaller_than(&*self.limit, HUGE_BLOCK_MIN.max(self.learner.need / 2));
         self.settle_external_cache();
         self.cycles.spilled = 0;
         self.cycles.spilled_in_room = false;
@@ -1481,7 +1482,9 @@ impl Workspace {
         let len = round_to_page(req.slot);
         self.own.reserve(len).map_err(|cause| self.system_refused(req.size, cause))?;
         let reusable = !req.zeroed || self.limit.upstream().discard_zeroes();
-        let (at, len) = match reusable.then(|| self.huge.take(len)).flatten() {
+        // The request's own size: what it maps where `max_size` leaves no room for its class.
+        let exact = round_to_page(req.size + HEADER);
+        let (at, len) = match reusable.then(|| self.huge.take(len, exact)).flatten() {
             Some((at, len)) => {
                 if req.zeroed && !self.limit.discard(at, len) {
                     // The system kept the pages (locked memory): they are written instead.
@@ -1497,7 +1500,6 @@ impl Workspace {
                 self.huge.release_all(&*self.limit);
                 // Mapped for its class, so that a later request a little larger takes it again;
                 // where `max_size` leaves no room for that, for the request alone.
-                let exact = round_to_page(req.size + HEADER);
                 let (at, len) = self.within_limit(req.size, |ws| match ws.limit.map(len, false) {
                     Err(e) if exact < len && ws.is_our_limit(&e) => ws.limit.map(exact, false).map(|at| (at, exact)),
                     mapped => mapped.map(|at| (at, len)),
