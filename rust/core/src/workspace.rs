@@ -1028,9 +1028,9 @@ impl Workspace {
         // cycles.
         let apart = self.cycles.active == 0 && self.route.apart && self.replace_for_apart();
         let sizing = self.learner.end_cycle(&self.config, self.cycles.completed - 1, facts, current, self.route.arena);
-        // Most closes keep the arena as it is: what sizes it lies out of their way.
         // Before the arena is sized for the new need: what no request takes any more goes first.
         self.huge.release_smaller_than(&*self.limit, HUGE_BLOCK_MIN.max(self.learner.need / 2));
+        // Most closes keep the arena as it is: what sizes it lies out of their way.
         self.cycles.remapped = (apart || !matches!(sizing, Sizing::Keep)) && self.size_at_close(sizing, apart, current);
         self.huge.end_pass();
         self.huge.release_stale(&*self.limit, self.cycles.completed);
