@@ -1766,6 +1766,32 @@ impl Workspace {
             self.accounts.cycle_peak = self.accounts.cycle_peak.max(live);
             return Ok(p);
         }
+        if h.kind == BlockKind::Huge && new_size != 0 && new_size <= old && !self.cycles.destroyed {
+            // A huge block shrinks where it lies, as the C heap shrinks a mapping of its own
+            // (`ndarray.resize` to fewer elements): no copy, and its pages past the new end go
+            // back to the system. The mapping keeps its length (and its place in `max_size`).
+            h.requested = new_size;
+            let (at, slot) = (p.as_ptr() as usize - HEADER, h.slot);
+            let d = (old - new_size) as u64;
+            self.accounts.external -= d;
+            if h.generation != self.cycles.epoch {
+                self.accounts.pinned -= d;
+            }
+            if self.recording {
+                let (r, at) = (self.limit.recorder(), p.as_ptr() as usize);
+                r.record(Action::Free, at, old, BlockKind::Huge as u8, 0);
+                r.record(Action::Alloc, at, new_size, BlockKind::Huge as u8, 0);
+            }
+            let from = round_to_page(p.as_ptr() as usize + new_size);
+            if from < at + slot {
+                // SAFETY: `from` lies inside the block's mapping (`at + slot` is its end).
+                let tail = unsafe { p.add(from - p.as_ptr() as usize) };
+                // Whole pages of our mapping that hold nothing the caller keeps; a refusal
+                // (locked memory) leaves them resident, as they were.
+                self.limit.discard(tail, at + slot - from);
+            }
+            return Ok(p);
+        }
         let q = self.alloc(new_size)?;
         // SAFETY: both blocks are live, distinct, of this backend, and valid for the bytes copied.
         if let Err(cause) = unsafe { self.limit.copy(q, p, old.min(new_size)) } {

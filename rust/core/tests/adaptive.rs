@@ -971,6 +971,29 @@ fn a_huge_request_that_fits_max_size_only_unrounded_is_served_and_served_again()
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore: no page is known resident")]
+fn a_huge_block_shrinks_where_it_lies_and_gives_its_tail_back() {
+    let mut w = Workspace::new("SHRINK", WorkspaceConfiguration::adaptive()).unwrap();
+    let (size, smaller) = (HUGE_BLOCK_MIN + 16 * MIB, HUGE_BLOCK_MIN - 8 * MIB);
+    w.enter().unwrap();
+    let p = w.alloc(size).unwrap();
+    fill(p.as_ptr(), size, 5);
+    assert_eq!(w.stats().external_bytes, size as u64);
+    // SAFETY: live and ours.
+    let q = unsafe { w.realloc(p, smaller) }.unwrap();
+    assert_eq!(q, p, "shrunk where it lies, not copied");
+    assert!(intact(q.as_ptr(), smaller, 5), "the bytes it keeps are intact");
+    assert_eq!(w.stats().external_bytes, smaller as u64);
+    // SAFETY: the block's mapping runs past the new end, up to the old one.
+    let tail = unsafe { NonNull::new_unchecked(q.as_ptr().add(smaller + 4096)) };
+    assert!(resident(tail, size - smaller - 8192) < MIB, "its tail went back to the system");
+    // SAFETY: live, freed once.
+    unsafe { w.free(q) };
+    w.exit().unwrap();
+    assert_eq!(w.stats().external_bytes, 0);
+}
+
+#[test]
 fn huge_mappings_recur_across_nested_levels_and_not_every_other_cycle() {
     let mut w = Workspace::new("HUGE", WorkspaceConfiguration::adaptive()).unwrap();
     let huge = HUGE_BLOCK_MIN;
