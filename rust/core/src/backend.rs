@@ -78,6 +78,10 @@ pub const BLOCK_ALIGN: usize = 64;
 /// Regions at least this large get transparent-huge-page advice.
 pub const HUGE_PAGE_THRESHOLD: usize = 4 << 20;
 
+/// The size of a transparent huge page (x86-64 and most AArch64 kernels): the unit in which the
+/// system faults memory advised for huge pages.
+pub const HUGE_PAGE: usize = 2 << 20;
+
 /// A source of memory. Implementations must be usable from any thread.
 pub trait Backend: Send + Sync + fmt::Debug {
     /// A short name for statistics and messages.

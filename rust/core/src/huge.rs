@@ -10,7 +10,7 @@
 use std::ptr::NonNull;
 
 use crate::arena::HEADER;
-use crate::backend::Backend;
+use crate::backend::{Backend, HUGE_PAGE};
 use crate::sanitizer::{poison, unpoison};
 
 /// Requests at least this large, and at least half the learned need, are huge.
@@ -77,10 +77,6 @@ struct Seen {
 fn alike(a: usize, b: usize) -> bool {
     a.abs_diff(b) <= a.min(b) / 4
 }
-
-/// The size of a huge page (x86-64 and most AArch64 kernels): the unit in which the system faults
-/// memory advised for huge pages.
-const HUGE_PAGE: usize = 2 << 20;
 
 /// The first bytes of a huge block that always fault in small pages.
 const SMALL_HEAD: usize = 256 << 10;
@@ -263,26 +259,21 @@ impl HugeCache {
         }
     }
 
-    /// Releases the mappings unused since `generation - CACHE_CYCLES`.
+    /// Releases the mappings unused since `generation - CACHE_CYCLES`, and those too small for
+    /// any request of `least` bytes or more, the least a request takes to be huge: once a
+    /// cycle's need has grown, requests of their size are served by the arena, and they would
+    /// stay resident beside it unused.
     #[inline]
-    pub fn release_stale(&mut self, backend: &dyn Backend, generation: u64) {
+    pub fn release_unused(&mut self, backend: &dyn Backend, generation: u64, least: usize) {
         if !self.cached.is_empty() {
-            self.release(backend, |m| m.used + CACHE_CYCLES <= generation);
+            let least = least.saturating_add(HEADER);
+            self.release(backend, |m| m.used + CACHE_CYCLES <= generation || m.len < least);
         }
     }
 
     /// Releases every cached mapping.
     pub fn release_all(&mut self, backend: &dyn Backend) {
         self.release(backend, |_| true);
-    }
-
-    /// Releases the cached mappings too small for any request of `least` bytes or more, the
-    /// least a request takes to be huge: once a cycle's need has grown, requests of their size
-    /// are served by the arena, and they would stay resident beside it unused.
-    pub fn release_smaller_than(&mut self, backend: &dyn Backend, least: usize) {
-        if !self.cached.is_empty() {
-            self.release(backend, |m| m.len < least.saturating_add(HEADER));
-        }
     }
 
     #[inline(never)]
@@ -431,9 +422,9 @@ mod tests {
         }
         assert_eq!(c.cached().0, CACHED_MAPPINGS, "the oldest went back when it was full");
         let newest = CACHED_MAPPINGS as u64 + 1;
-        c.release_stale(&HeapMemory, newest + CACHE_CYCLES - 1);
+        c.release_unused(&HeapMemory, newest + CACHE_CYCLES - 1, 0);
         assert_eq!(c.cached().0, 1, "only the newest was used within the last cycles");
-        c.release_stale(&HeapMemory, newest + CACHE_CYCLES);
+        c.release_unused(&HeapMemory, newest + CACHE_CYCLES, 0);
         assert_eq!(c.cached(), (0, 0));
     }
 }

@@ -24,7 +24,7 @@
 //! where the arena was too small for the request itself, the cycle's need says how much it
 //! lacked, under the adaptive profile (ND4J's policies grow by the spill, as they did).
 
-use crate::backend::round_to_page;
+use crate::backend::{round_to_page, HUGE_PAGE};
 use crate::config::{AllocationPolicy, LearningPolicy, SpillPolicy, WorkspaceConfiguration};
 
 /// Cycles whose needs the adaptive profile remembers: the arena follows their maximum.
@@ -38,7 +38,6 @@ const REGROWN_WITHIN: u64 = 2 * NEED_WINDOW as u64;
 
 /// Arenas at least this large are rounded to whole 2 MiB huge pages.
 const HUGE_ROUND_THRESHOLD: usize = 64 << 20;
-const HUGE_PAGE: usize = 2 << 20;
 
 /// What one cycle showed, for the learner.
 #[derive(Debug, Clone, Copy, Default)]

@@ -1028,12 +1028,12 @@ impl Workspace {
         // cycles.
         let apart = self.cycles.active == 0 && self.route.apart && self.replace_for_apart();
         let sizing = self.learner.end_cycle(&self.config, self.cycles.completed - 1, facts, current, self.route.arena);
-        // Before the arena is sized for the new need: what no request takes any more goes first.
-        self.huge.release_smaller_than(&*self.limit, HUGE_BLOCK_MIN.max(self.learner.need / 2));
+        // Before the arena is sized for the new need: the huge mappings no request takes any more
+        // go first.
+        self.huge.release_unused(&*self.limit, self.cycles.completed, HUGE_BLOCK_MIN.max(self.learner.need / 2));
         // Most closes keep the arena as it is: what sizes it lies out of their way.
         self.cycles.remapped = (apart || !matches!(sizing, Sizing::Keep)) && self.size_at_close(sizing, apart, current);
         self.huge.end_pass();
-        self.huge.release_stale(&*self.limit, self.cycles.completed);
         self.settle_external_cache();
         self.cycles.spilled = 0;
         self.cycles.spilled_in_room = false;
@@ -1735,8 +1735,19 @@ impl Workspace {
         true
     }
 
+    /// Records a block resized where it lies, where a history is recorded: its old size freed,
+    /// its new one allocated.
+    fn record_resized(&self, p: NonNull<u8>, old: usize, new_size: usize, kind: BlockKind) {
+        if self.recording {
+            let (r, at) = (self.limit.recorder(), p.as_ptr() as usize);
+            r.record(Action::Free, at, old, kind as u8, 0);
+            r.record(Action::Alloc, at, new_size, kind as u8, 0);
+        }
+    }
+
     /// Resizes a block, keeping its contents up to the smaller size. In place when its slot is
-    /// the new size's, or one class up ([`crate::arena::stays_in`]).
+    /// the new size's, or one class up ([`crate::arena::stays_in`]), and for a huge block that
+    /// shrinks.
     ///
     /// # Safety
     /// As for [`Workspace::free`] (`p` is live, and not used after a successful call).
@@ -1752,11 +1763,7 @@ impl Workspace {
         let old = h.requested;
         if h.kind == BlockKind::Arena && crate::arena::stays_in(h.slot, new_size) && !self.cycles.destroyed {
             h.requested = new_size;
-            if self.recording {
-                let (r, at) = (self.limit.recorder(), p.as_ptr() as usize);
-                r.record(Action::Free, at, old, BlockKind::Arena as u8, 0);
-                r.record(Action::Alloc, at, new_size, BlockKind::Arena as u8, 0);
-            }
+            self.record_resized(p, old, new_size, BlockKind::Arena);
             let (o, n) = (old as u64, new_size as u64);
             self.accounts.used = self.accounts.used + n - o;
             if h.generation != self.cycles.epoch {
@@ -1777,11 +1784,7 @@ impl Workspace {
             if h.generation != self.cycles.epoch {
                 self.accounts.pinned -= d;
             }
-            if self.recording {
-                let (r, at) = (self.limit.recorder(), p.as_ptr() as usize);
-                r.record(Action::Free, at, old, BlockKind::Huge as u8, 0);
-                r.record(Action::Alloc, at, new_size, BlockKind::Huge as u8, 0);
-            }
+            self.record_resized(p, old, new_size, BlockKind::Huge);
             let from = round_to_page(p.as_ptr() as usize + new_size);
             if from < at + slot {
                 // SAFETY: `from` lies inside the block's mapping (`at + slot` is its end).
